@@ -1,0 +1,13 @@
+"""deepspeed_multi: one plain ``loss.backward()`` through any number of DeepSpeed engines.
+
+    engine, optimizer, _, scheduler = deepspeed_multi.initialize(model=..., config=...)
+
+is a drop-in for ``deepspeed.initialize``; the engine is a :class:`MultiEngine`.
+"""
+from ._state import TrainingState
+from .engine import MultiEngine
+from .initialize import initialize
+from .zero_init import zero_init
+
+__all__ = ["MultiEngine", "TrainingState", "initialize", "zero_init"]
+__version__ = "0.1.0"

@@ -1,0 +1,104 @@
+"""The engine boundary: autograd nodes on an engine's inputs and outputs.
+
+[Note: gradient scale is a property of the engine's region of the graph]
+Each engine E has a factor f_E (1/gradient_accumulation_steps, times E's dynamic loss scale in
+fp16; 1 for an engine that trains nothing). Every gradient that crosses into E's region (an
+output of E) is multiplied by f_E, every gradient that crosses out of it (an input of E) is
+divided by f_E. So E's parameters see f_E times the true gradient, exactly what E's optimizer
+expects, and what leaves E is the true gradient again, whatever the stages, dtypes and
+accumulation of the engines around it. Under ``create_graph=True`` the scaling ops become part
+of the new graph and are crossed in the opposite direction by a double backward, so each one
+is a ``_ScaleGrad`` node whose own backward applies the inverse factor: a gradient penalty
+reaches E's parameters scaled by f_E too.
+
+[Note: when the prologue and epilogue run]
+The first gradient that reaches any boundary node of E in a backward pass calls
+``E._pre_backward()``; it runs E's backward prologue and queues E's epilogue as a final
+callback of the autograd graph task, which runs once the whole backward has produced every
+gradient (whatever the order of hooks, parameters used twice, or reentrant checkpointing,
+whose inner backward runs nested inside the outer task).
+"""
+import torch
+
+from ._tree import tree_map
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """``grad * scale`` inside a backward pass; its own backward applies ``1 / scale``."""
+
+    @staticmethod
+    def forward(ctx, engine, grad, scale):
+        ctx.engine, ctx.scale = engine, scale
+        return grad * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.engine._pre_backward()
+        return None, _scale(ctx.engine, grad, 1.0 / ctx.scale), None
+
+
+def _scale(engine, grad, scale):
+    if grad is None:
+        return None
+    if torch.is_grad_enabled():  # create_graph=True: keep the op differentiable both ways
+        return _ScaleGrad.apply(engine, grad, scale)
+    return grad if scale == 1.0 else grad * scale
+
+
+class _OutputBoundary(torch.autograd.Function):
+    """Identity on an engine's outputs; in backward, starts the engine's backward and scales in."""
+
+    @staticmethod
+    def forward(ctx, engine, *outputs):
+        ctx.engine = engine
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        engine = ctx.engine
+        engine._pre_backward()
+        factor = engine.grad_scale_factor()
+        return (None, *(_scale(engine, g, factor) for g in grads))
+
+
+class _InputBoundary(torch.autograd.Function):
+    """Identity on an engine's inputs; in backward, scales the gradient leaving the engine out."""
+
+    @staticmethod
+    def forward(ctx, engine, *inputs):
+        ctx.engine = engine
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        engine = ctx.engine
+        factor = engine.grad_scale_factor()
+        return (None, *(_scale(engine, g, 1.0 / factor) for g in grads))
+
+
+def _apply_boundary(fn, engine, tree):
+    """Pass every tensor of ``tree`` that requires grad through ``fn`` as one autograd node."""
+    if not torch.is_grad_enabled():
+        return tree
+    tensors = []
+
+    def collect(t):
+        if t.requires_grad:
+            tensors.append(t)
+        return t
+
+    tree_map(collect, tree)
+    if not tensors:
+        return tree
+    replaced = dict(zip(map(id, tensors), fn.apply(engine, *tensors)))
+    return tree_map(lambda t: replaced.get(id(t), t), tree)
+
+
+def wrap_inputs(engine, inputs, kwargs):
+    return _apply_boundary(_InputBoundary, engine, (inputs, kwargs))
+
+
+def wrap_outputs(engine, outputs):
+    return _apply_boundary(_OutputBoundary, engine, outputs)

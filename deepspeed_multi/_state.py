@@ -1,0 +1,12 @@
+"""The training state of one MultiEngine, as an explicit enum instead of loose flags."""
+from enum import Enum, auto
+
+
+class TrainingState(Enum):
+    # No gradient of this engine is pending: after construction, step() or zero_grad().
+    IDLE = auto()
+    # A backward pass is producing this engine's gradients: the prologue ran, the epilogue
+    # (bucket flush, reduction, fp32 accumulation) is queued on the autograd graph task.
+    IN_BACKWARD = auto()
+    # At least one backward finished; reduced gradients wait for step() or zero_grad().
+    GRADS_READY = auto()

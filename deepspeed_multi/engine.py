@@ -1,0 +1,156 @@
+"""MultiEngine: a DeepSpeedEngine whose backward prologue and epilogue run from autograd hooks.
+
+The engine stays thin: the boundary nodes live in ``_boundary``, the gradient scale in
+``grad_scale``, the ZeRO gradient-buffer handling in ``zero_buffers``.
+"""
+import logging
+
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.utils import count_used_parameters_in_backward
+
+from . import grad_scale, zero_buffers
+from ._boundary import wrap_inputs, wrap_outputs
+from ._state import TrainingState
+
+logger = logging.getLogger(__name__)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class MultiEngine(DeepSpeedEngine):
+    """Drop-in DeepSpeedEngine for plain ``loss.backward()`` through any number of engines.
+
+    Build it with :func:`deepspeed_multi.initialize`. Gradients accumulate over backward calls
+    until :meth:`step` (at the end of the engine's ``gradient_accumulation_steps`` window) or
+    :meth:`zero_grad`, as with a plain ``nn.Module``.
+    """
+
+    def __init__(self, *args, user_managed_boundary=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Every stage gets the torch-style path from our boundary nodes, not from DeepSpeed's
+        # output hooks and per-parameter counters, so stage 0 and frozen engines work too.
+        self._support_torch_style_backward = True
+        if isinstance(self.optimizer, ZeROOptimizer):
+            # The epilogue runs from our own graph-task callback (see _boundary).
+            self.optimizer.unregister_grad_acc_post_hooks()
+        self._state = TrainingState.IDLE
+        self._backward_task_id = None
+        # Micro-steps since the last update. DeepSpeed runs unmanaged (every super().step()
+        # updates); this engine keeps DeepSpeed's managed meaning of gradient_accumulation_steps
+        # unless the user configured managed_gradient_accumulation=false.
+        self._user_managed_boundary = user_managed_boundary
+        self._window_micro_steps = 0
+        self.overflow_group = None
+        self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, *inputs, **kwargs):
+        self._recover_from_failed_backward()
+        inputs, kwargs = wrap_inputs(self, inputs, kwargs)
+        return wrap_outputs(self, super().forward(*inputs, **kwargs))
+
+    # DeepSpeed's own output hooks (registered by DeepSpeedEngine.forward) call these two;
+    # the boundary nodes replace them, so they do nothing here.
+    def _backward_prologue(self):
+        pass
+
+    def _backward_prologue_per_tensor(self, grad):
+        return grad
+
+    # ---------------------------------------------------------------- backward hooks
+    @property
+    def trains(self) -> bool:
+        """True when this engine has an optimizer and parameters that require grad."""
+        return self.optimizer is not None and bool(self._trainable_params)
+
+    def grad_scale_factor(self) -> float:
+        return grad_scale.factor(self)
+
+    def _pre_backward(self):
+        """First gradient reached this engine in a backward pass: run the prologue once."""
+        if self._state is TrainingState.IN_BACKWARD or not self.trains:
+            return
+        if count_used_parameters_in_backward(self._trainable_params) == 0:
+            # e.g. torch.autograd.grad(loss, inputs) or a backward that stops above the params.
+            return
+        self._state = TrainingState.IN_BACKWARD
+        self._backward_task_id = torch._C._current_graph_task_id()
+        if isinstance(self.optimizer, ZeROOptimizer):
+            self.optimizer.clear_backward_seen_flag()
+        DeepSpeedEngine._backward_prologue(self)
+        if not self.managed_gradient_accumulation():
+            self._unmanaged_backward_count += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+
+    def _post_backward(self):
+        """End of the graph task: bucket flush, reduction, fp32 accumulation."""
+        try:
+            DeepSpeedEngine._backward_epilogue(self)
+            zero_buffers.after_backward(self.optimizer)
+        finally:
+            self._state = TrainingState.GRADS_READY
+            self._backward_task_id = None
+
+    def _recover_from_failed_backward(self):
+        if self._state is TrainingState.IN_BACKWARD and not _in_backward():
+            logger.warning("deepspeed_multi: a backward pass through this engine raised before it finished; "
+                           "its partial gradients are discarded.")
+            self.zero_grad()
+
+    # ---------------------------------------------------------------- user API
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """Old single-engine API: same as ``loss.backward()``; returns ``loss / gas`` like DeepSpeed.
+
+        The 1/gas scale is applied at the engine boundary, so ``scale_wrt_gas=False`` is refused
+        rather than silently ignored.
+        """
+        if not scale_wrt_gas:
+            raise ValueError("MultiEngine.backward(scale_wrt_gas=False) is not supported: the engine divides by "
+                             "gradient_accumulation_steps at its boundary. Call loss.backward() on a loss you "
+                             "have multiplied by gradient_accumulation_steps instead.")
+        loss.backward(retain_graph=retain_graph)
+        return loss / self.gradient_accumulation_steps()
+
+    def scale(self, loss):
+        """Kept for old code: the boundary applies the loss scale, so this returns ``loss`` unchanged."""
+        return loss
+
+    def _check_can_step(self, what):
+        if self._state is TrainingState.IN_BACKWARD:
+            if _in_backward():
+                raise RuntimeError(f"{what} called while a backward pass is still producing this engine's "
+                                   "gradients; call it after loss.backward() returns.")
+            raise RuntimeError(f"{what} called after a backward pass through this engine failed part way; "
+                               "call engine.zero_grad() to discard its partial gradients, then run it again.")
+
+    def is_update_boundary(self) -> bool:
+        """True when the next step() applies an update (end of the gradient-accumulation window)."""
+        if self._user_managed_boundary:
+            return True
+        return (self._window_micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def step(self, lr_kwargs=None):
+        self._check_can_step("step()")
+        if not self.is_update_boundary():
+            self._window_micro_steps += 1
+            self.micro_steps += 1
+            return
+        self._window_micro_steps = 0
+        if self.overflow_group is not None:
+            self.overflow_group.before_step(self)
+        super().step(lr_kwargs)
+        zero_buffers.after_step(self.optimizer)
+        self._state = TrainingState.IDLE
+
+    def zero_grad(self):
+        """Discard every gradient accumulated since the last step, like ``nn.Module.zero_grad``."""
+        if self._state is TrainingState.IN_BACKWARD and _in_backward():
+            raise RuntimeError("zero_grad() called while a backward pass is producing this engine's gradients.")
+        super().zero_grad()
+        zero_buffers.discard(self.optimizer)
+        self._state = TrainingState.IDLE
+        self._backward_task_id = None

@@ -1,0 +1,18 @@
+"""The gradient scale of an engine's region of the graph (see [Note: gradient scale] in _boundary).
+
+f = 1 / gradient_accumulation_steps, times the current dynamic (or static) loss scale for fp16;
+f = 1 for an engine that trains nothing, whose gradients only pass through.
+"""
+
+
+def loss_scale(engine) -> float:
+    if not engine.fp16_enabled():
+        return 1.0
+    scale = engine._get_optimizer_loss_scale()
+    return float(scale) if scale is not None else 1.0
+
+
+def factor(engine) -> float:
+    if not engine.trains:
+        return 1.0
+    return loss_scale(engine) / engine.gradient_accumulation_steps()

@@ -1,0 +1,51 @@
+"""``deepspeed_multi.initialize``: ``deepspeed.initialize`` that builds a MultiEngine."""
+import copy
+import functools
+import threading
+
+import deepspeed
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from .config import load_config, prepare_engine_config
+from .engine import MultiEngine
+
+_ENGINE_CLASS_LOCK = threading.Lock()
+
+
+@functools.wraps(deepspeed.initialize, assigned=("__doc__", ))
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):
+    if isinstance(model, PipelineModule):
+        raise NotImplementedError("deepspeed_multi does not support pipeline parallelism: got a PipelineModule. "
+                                  "Use deepspeed.initialize for pipeline engines; they run their own schedule "
+                                  "(train_batch) instead of loss.backward().")
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config, args = args.deepspeed_config, copy.copy(args)
+        args.deepspeed_config = None
+    if config is None:
+        raise ValueError("deepspeed_multi.initialize needs a DeepSpeed config: pass config=<dict or path> "
+                         "(or args.deepspeed_config).")
+    config, user_managed = prepare_engine_config(load_config(config))
+    if config.get("hybrid_engine", {}).get("enabled", False):
+        raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
+                                  "(hybrid_engine.enabled=true); disable it in this engine's config.")
+
+    kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                  mesh_param=mesh_param)
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
+    engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed)
+    # deepspeed.initialize resolves the engine class from its module globals; swapping it for
+    # the duration of the call reuses all of its argument handling without copying it.
+    with _ENGINE_CLASS_LOCK:
+        original = deepspeed.DeepSpeedEngine
+        deepspeed.DeepSpeedEngine = engine_class
+        try:
+            return deepspeed.initialize(**kwargs)
+        finally:
+            deepspeed.DeepSpeedEngine = original
