@@ -8,8 +8,10 @@ divided by f_E. So E's parameters see f_E times the true gradient, exactly what 
 expects, and what leaves E is the true gradient again, whatever the stages, dtypes and
 accumulation of the engines around it. Under ``create_graph=True`` the scaling ops become part
 of the new graph and are crossed in the opposite direction by a double backward, so each one
-is a ``_ScaleGrad`` node whose own backward applies the inverse factor: a gradient penalty
-reaches E's parameters scaled by f_E too.
+is a ``_ScaleGrad`` node. What E's backward computes from a scaled gradient carries f_E in
+its value (V = f_E * T), so a double backward that crosses back over the boundary must pass
+the gradient straight through: a gradient penalty then reaches E's parameters scaled by f_E
+exactly once, and what leaves E is unscaled.
 
 [Note: when the prologue and epilogue run]
 The first gradient that reaches any boundary node of E in a backward pass calls
@@ -24,17 +26,22 @@ from ._tree import tree_map
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """``grad * scale`` inside a backward pass; its own backward applies ``1 / scale``."""
+    """``grad * scale`` inside a backward pass, straight-through in a double backward.
+
+    Every quantity the engine's own backward computes from a scaled gradient already carries
+    the factor in its value, so a double backward must not apply it again when it crosses back
+    over the boundary; it only has to start the engine's backward (see the Note above).
+    """
 
     @staticmethod
     def forward(ctx, engine, grad, scale):
-        ctx.engine, ctx.scale = engine, scale
+        ctx.engine = engine
         return grad * scale
 
     @staticmethod
     def backward(ctx, grad):
         ctx.engine._pre_backward()
-        return None, _scale(ctx.engine, grad, 1.0 / ctx.scale), None
+        return None, grad, None
 
 
 def _scale(engine, grad, scale):
@@ -51,12 +58,15 @@ class _OutputBoundary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine, *outputs):
         ctx.engine = engine
+        ctx.backward_calls = 0
         ctx.set_materialize_grads(False)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         engine = ctx.engine
+        ctx.backward_calls += 1
+        engine._check_backward_supported(second_pass=ctx.backward_calls > 1, create_graph=torch.is_grad_enabled())
         engine._pre_backward()
         factor = engine.grad_scale_factor()
         return (None, *(_scale(engine, g, factor) for g in grads))

@@ -70,6 +70,26 @@ class MultiEngine(DeepSpeedEngine):
     def grad_scale_factor(self) -> float:
         return grad_scale.factor(self)
 
+    def _check_backward_supported(self, second_pass: bool, create_graph: bool):
+        """ZeRO-3 gathers partitioned parameters for backward once per forward; refuse what needs more."""
+        if self.zero_optimization_stage() != 3:
+            return
+        if second_pass:
+            raise RuntimeError(
+                f"MultiEngine ({self._engine_name()}, ZeRO stage 3): a second backward through the same forward "
+                "(retain_graph=True) is not supported; ZeRO-3 gathers this engine's partitioned parameters for "
+                "backward once per forward. Run the forward again before each backward, or use ZeRO stage <= 2 "
+                "for this engine.")
+        if create_graph:
+            raise RuntimeError(
+                f"MultiEngine ({self._engine_name()}, ZeRO stage 3): backward with create_graph=True (double "
+                "backward, e.g. a gradient penalty from torch.autograd.grad) is not supported; ZeRO-3 partitions "
+                "the parameters that the double backward needs as soon as the first backward leaves them. Use "
+                "ZeRO stage <= 2 for this engine.")
+
+    def _engine_name(self) -> str:
+        return type(self.module).__name__
+
     def _pre_backward(self):
         """First gradient reached this engine in a backward pass: run the prologue once."""
         if self._state is TrainingState.IN_BACKWARD or not self.trains:

@@ -71,23 +71,45 @@ class Member:
     lr: float = 0.1
 
     @property
+    def dtype(self):
+        return "bf16" if "bf16" in self.config else "fp16" if "fp16" in self.config else "fp32"
+
+    @property
     def gas(self):
         return self.config.get("gradient_accumulation_steps", 1)
 
 
 @dataclass
+class Phase:
+    """One backward of a micro-step.
+
+    ``loss(models, batch, cache)`` returns a scalar loss or ``(tensors, grad_tensors)`` for
+    ``torch.autograd.backward``; ``cache`` is shared by the phases of one micro-step (so a
+    later phase can reuse an earlier forward). ``after`` lists actions run after this backward:
+    ``("step", name)`` or ``("zero_grad", name)``; ``None`` means step every trainable model.
+    """
+    loss: Callable
+    retain_graph: bool = False
+    after: Optional[tuple] = None
+
+
+@dataclass
 class Scenario:
     members: Dict[str, Member]
-    # loss(models: dict name -> callable module, batch: dict) -> scalar loss
-    loss: Callable
-    # batch(step, rank) -> dict of tensors
-    batch: Callable
+    phases: list
+    batch: Callable = None
     micro_steps: int = 4
-    # Called instead of "loss.backward()" on the engine side when given: (engines, loss) -> None
-    backward: Optional[Callable] = None
-    # Called instead of stepping every trainable model after each micro-batch when given
-    step: Optional[Callable] = None
-    extra: dict = field(default_factory=dict)
+    dtype: str = "fp32"
+    world_size: int = 2
+
+    def __post_init__(self):
+        if self.batch is None:
+            self.batch = default_batch
+
+    def actions(self, phase):
+        if phase.after is not None:
+            return phase.after
+        return tuple(("step", name) for name, m in self.members.items() if m.trainable)
 
 
 def default_batch(step, rank, n=4, d=8):
@@ -96,33 +118,61 @@ def default_batch(step, rank, n=4, d=8):
 
 
 def full_params(engine_or_module):
-    """Name -> full fp32 copy of every parameter (ZeRO-3 partitions gathered)."""
+    """Name -> full fp32 copy of every parameter (ZeRO-3 partitions gathered).
+
+    For a trainable bf16/fp16 engine these are the fp32 master weights, where updates smaller
+    than a half-precision step are still visible.
+    """
     import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
     module = getattr(engine_or_module, "module", engine_or_module)
+    trains = getattr(engine_or_module, "trains", False)
+    if trains and (engine_or_module.bfloat16_enabled() or engine_or_module.fp16_enabled()):
+        master = {n: safe_get_full_fp32_param(p) for n, p in module.named_parameters()}
+        if all(v is not None for v in master.values()):  # stage 0 keeps no ZeRO master mapping
+            return {n: v.detach().float().clone().cpu() for n, v in master.items()}
     params = list(module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         return {n: p.detach().float().clone().cpu() for n, p in module.named_parameters()}
 
 
-def run_reference(scenario: Scenario, world_size: int):
+def _backward(result, retain_graph, weight=1.0):
+    if isinstance(result, tuple):
+        tensors, grads = result
+        torch.autograd.backward(list(tensors), [g * weight for g in grads], retain_graph=retain_graph)
+    else:
+        (result * weight).backward(retain_graph=retain_graph)
+
+
+def run_reference(scenario: Scenario):
     """Plain PyTorch on one process: the same micro-batches of every rank, the same updates."""
+    world = scenario.world_size
     models = {name: m.build() for name, m in scenario.members.items()}
     opts = {name: torch.optim.SGD(models[name].parameters(), lr=m.lr)
             for name, m in scenario.members.items() if m.trainable}
+    windows = {name: 0 for name in opts}
     for name, m in scenario.members.items():
         if not m.trainable:
             models[name].requires_grad_(False)
     for step in range(scenario.micro_steps):
-        losses = [scenario.loss(models, scenario.batch(step, r)) for r in range(world_size)]
-        (sum(losses) / world_size).backward()
-        for name, opt in opts.items():
-            gas = scenario.members[name].gas
-            if (step + 1) % gas == 0:
-                for p in models[name].parameters():
-                    if p.grad is not None:
-                        p.grad.div_(gas)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        batches = [scenario.batch(step, r) for r in range(world)]
+        caches = [{} for _ in range(world)]
+        for phase in scenario.phases:
+            # Data parallelism averages the ranks' gradients: one backward per rank, weight 1/world.
+            for r in range(world):
+                _backward(phase.loss(models, batches[r], caches[r]), phase.retain_graph, 1.0 / world)
+            for action, name in scenario.actions(phase):
+                if action == "zero_grad":
+                    opts[name].zero_grad(set_to_none=True)
+                    continue
+                gas = scenario.members[name].gas
+                windows[name] += 1
+                if windows[name] % gas == 0:
+                    for p in models[name].parameters():
+                        if p.grad is not None:
+                            p.grad.div_(gas)
+                    opts[name].step()
+                    opts[name].zero_grad(set_to_none=True)
     return {name: {n: p.detach().float().clone() for n, p in mod.named_parameters()} for name, mod in models.items()}
 
 
@@ -141,23 +191,17 @@ def build_engines(scenario: Scenario, initialize):
     return engines
 
 
-def run_engines(scenario: Scenario, initialize):
-    engines = build_engines(scenario, initialize)
+def run_engines(scenario: Scenario, initialize, engines=None):
+    engines = engines or build_engines(scenario, initialize)
     rank = dist.get_rank()
     device = next(iter(engines.values())).device
     for step in range(scenario.micro_steps):
         batch = {k: v.to(device) for k, v in scenario.batch(step, rank).items()}
-        loss = scenario.loss(engines, batch)
-        if scenario.backward is not None:
-            scenario.backward(engines, loss)
-        else:
-            loss.backward()
-        if scenario.step is not None:
-            scenario.step(engines, step)
-        else:
-            for name, m in scenario.members.items():
-                if m.trainable:
-                    engines[name].step()
+        cache = {}
+        for phase in scenario.phases:
+            _backward(phase.loss(engines, batch, cache), phase.retain_graph)
+            for action, name in scenario.actions(phase):
+                getattr(engines[name], action)()
     return engines
 
 
@@ -168,6 +212,13 @@ def compare(engines, reference, members, dtype="fp32"):
         got = full_params(engine)
         want = reference[name]
         initial = {n: p.detach().float() for n, p in members[name].build().named_parameters()}
+        if not members[name].trainable:
+            # A frozen engine never moves; its parameters are only rounded to its dtype.
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(members[name].dtype, torch.float32)
+            err = max((got[n] - initial[n].to(dtype).float()).abs().max().item() for n in want)
+            report[name] = err
+            assert err == 0, f"frozen engine {name!r} moved by {err:.3e}"
+            continue
         if dtype == "fp32":
             err = max((got[n] - want[n]).abs().max().item() for n in want)
             report[name] = err

@@ -1,0 +1,127 @@
+"""JIT loader for the fused-reduce C++/CUDA extension (a tiny DeepSpeed ``op_builder``).
+
+``load()`` compiles ``<repo root>/csrc/fused_reduce.cpp`` (plus ``fused_reduce_cuda.cu`` when
+``torch.cuda.is_available()`` and ``nvcc`` is found) with ``torch.utils.cpp_extension.load`` and
+returns the module. It is cached
+
+* in-process: the first successful ``load()`` is reused (a failure is cached too, so a missing
+  compiler is reported once, not on every call);
+* on disk: ``$DSM_BUILD_DIR`` if set, else ``~/.cache/deepspeed_multi/<torch version>/<name>``.
+  torch's loader takes a file lock (``lock`` in that directory) while building, so several ranks
+  calling ``load()`` at once build once and the others wait, then import the result.
+
+If ninja or the C++ compiler is missing, or compilation fails, ``load()`` raises
+:class:`BuildError` whose message says what is missing and how to fix it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CPU_SOURCES = ("fused_reduce.cpp",)
+CUDA_SOURCES = ("fused_reduce_cuda.cu",)
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no -march=native: the cache may be shared
+CUDA_CFLAGS = ["-O3", "-std=c++17"]
+
+FALLBACK_NOTE = "the pure-PyTorch reference (deepspeed_multi.ops.reference) is used instead"
+
+_lock = threading.Lock()
+_cache: dict[str, object] = {}
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built; the message says why and how to fix it."""
+
+
+def with_cuda() -> bool:
+    """True when the CUDA kernels are to be compiled (a GPU is visible and nvcc exists)."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None
+
+
+def extension_name(cuda: bool) -> str:
+    return "dsm_fused_reduce_cuda" if cuda else "dsm_fused_reduce"
+
+
+def build_dir(cuda: bool) -> Path:
+    """Where the build lives: ``$DSM_BUILD_DIR`` or ``~/.cache/deepspeed_multi/<torch>/<name>``."""
+    override = os.environ.get("DSM_BUILD_DIR")
+    if override:
+        return Path(override).expanduser()
+    version = torch.__version__.replace("+", "_")
+    return Path.home() / ".cache" / "deepspeed_multi" / version / extension_name(cuda)
+
+
+def check_toolchain() -> None:
+    """Raise BuildError if ninja or the C++ compiler (``$CXX`` or ``c++``) is missing."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        raise BuildError(
+            f"cannot build the fused-reduce extension: ninja was not found; install it with "
+            f"`pip install ninja`; until then {FALLBACK_NOTE}"
+        )
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise BuildError(
+            f"cannot build the fused-reduce extension: the C++ compiler {cxx!r} (from $CXX, default "
+            f"'c++') was not found on PATH; install one (e.g. `apt-get install g++`) or point $CXX at "
+            f"it; until then {FALLBACK_NOTE}"
+        )
+
+
+def load(verbose: bool = False):
+    """Build (once) and return the extension module; raise BuildError if that is impossible.
+
+    ``verbose`` shows the compiler commands and output of a build this call performs.
+    """
+    cuda = with_cuda()
+    key = extension_name(cuda)
+    with _lock:
+        cached = _cache.get(key)
+        if cached is None:
+            try:
+                cached = _build(cuda, verbose)
+            except BuildError as exc:
+                cached = exc
+            _cache[key] = cached
+    if isinstance(cached, BuildError):
+        raise cached
+    return cached
+
+
+def _build(cuda: bool, verbose: bool):
+    check_toolchain()
+    from torch.utils.cpp_extension import load as jit_load
+
+    directory = build_dir(cuda)
+    directory.mkdir(parents=True, exist_ok=True)
+    sources = [str(CSRC / s) for s in CPU_SOURCES + (CUDA_SOURCES if cuda else ())]
+    cflags = CFLAGS + (["-DDSM_WITH_CUDA"] if cuda else [])
+    try:
+        return jit_load(
+            name=extension_name(cuda),
+            sources=sources,
+            extra_cflags=cflags,
+            extra_cuda_cflags=CUDA_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
+            with_cuda=cuda,
+            verbose=verbose,
+        )
+    except Exception as exc:  # compiler errors surface as RuntimeError/CalledProcessError
+        raise BuildError(
+            f"building the fused-reduce extension in {directory} failed: {exc}; rerun "
+            f"`python -m deepspeed_multi.ops.build --verbose` to see the compiler output; if a stale "
+            f"'lock' file is left in that directory by a killed build, delete it; until then "
+            f"{FALLBACK_NOTE}"
+        ) from exc

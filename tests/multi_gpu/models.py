@@ -1,0 +1,76 @@
+"""Small test models with the output structures and features the scenarios need."""
+from collections import namedtuple
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from common import MLP
+
+Pair = namedtuple("Pair", ["out", "hidden"])
+
+
+@dataclass
+class Output:
+    out: torch.Tensor
+    hidden: torch.Tensor
+    note: str = "not a tensor"
+
+
+class StructuredMLP(MLP):
+    """Returns its output inside a dict, dataclass, named tuple or nested list."""
+
+    def __init__(self, kind="dict", **kw):
+        super().__init__(**kw)
+        self.kind = kind
+
+    def forward(self, x):
+        x = x.to(self.fc1.weight.dtype)
+        hidden = torch.tanh(self.fc1(x))
+        out = self.fc2(hidden).float()
+        hidden = hidden.float()
+        if self.kind == "dict":
+            return {"out": out, "hidden": hidden, "count": 3}
+        if self.kind == "dataclass":
+            return Output(out, hidden)
+        if self.kind == "namedtuple":
+            return Pair(out, hidden)
+        return [[out], (hidden, None)]
+
+
+def structured_out(result):
+    if isinstance(result, dict):
+        return result["out"], result["hidden"]
+    if isinstance(result, Output):
+        return result.out, result.hidden
+    if isinstance(result, tuple):
+        return result.out, result.hidden
+    return result[0][0], result[1][0]
+
+
+class CheckpointedMLP(MLP):
+    """fc1 under activation checkpointing (reentrant or not)."""
+
+    def __init__(self, reentrant=True, **kw):
+        super().__init__(**kw)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        x = x.to(self.fc1.weight.dtype)
+        if self.reentrant and not x.requires_grad:
+            # Reentrant checkpointing needs an input that requires grad to record anything.
+            x = x.detach().requires_grad_(True)
+        h = checkpoint(lambda t: torch.tanh(self.fc1(t)), x, use_reentrant=self.reentrant)
+        return self.fc2(h).float()
+
+
+class Scalar(nn.Module):
+    """A critic/reward/discriminator head: MLP then a mean over features."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.body = MLP(seed=seed)
+
+    def forward(self, x):
+        return self.body(x).mean(dim=-1)

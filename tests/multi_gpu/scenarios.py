@@ -1,0 +1,292 @@
+"""The correctness matrix: every scenario by name, built the same way for tests and reports."""
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from common import MLP, Member, Phase, Scenario, ds_config
+from models import CheckpointedMLP, Scalar, StructuredMLP, structured_out
+
+
+def mlp(seed, **kw):
+    return functools.partial(MLP, seed=seed, **kw)
+
+
+def mse(out, y):
+    return ((out - y)**2).mean()
+
+
+def _single(stage, dtype="fp32", gas=1):
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage, dtype, gas))},
+                    phases=[Phase(lambda m, b, c: mse(m["a"](b["x"]), b["y"]))], dtype=dtype)
+
+
+def _chain(sa, sb, gas_a=1, gas_b=1, dtype_a="fp32", dtype_b="fp32"):
+    dtype = "fp32" if dtype_a == dtype_b == "fp32" else "mixed"
+    return Scenario(members={"a": Member(mlp(1), ds_config(sa, dtype_a, gas_a)),
+                             "b": Member(mlp(2), ds_config(sb, dtype_b, gas_b))},
+                    phases=[Phase(lambda m, b, c: mse(m["b"](m["a"](b["x"])), b["y"]))],
+                    dtype=dtype, micro_steps=6)
+
+
+def _frozen_middle(stage_llm=3, head=True, gas=1, dtype="fp32"):
+    members = {"proj": Member(mlp(1), ds_config(2, dtype, gas)),
+               "llm": Member(mlp(2), ds_config(stage_llm, dtype), trainable=False)}
+    if head:
+        members["head"] = Member(mlp(3), ds_config(1, dtype, gas))
+
+    def loss(m, b, c):
+        h = m["llm"](m["proj"](b["x"]))
+        return mse(m["head"](h) if head else h, b["y"])
+
+    return Scenario(members=members, phases=[Phase(loss)], dtype=dtype)
+
+
+def _distill(dtype="fp32", teacher_stage=3):
+    def loss(m, b, c):
+        with torch.no_grad():
+            t = m["teacher"](b["x"])
+        s = m["student"](b["x"])
+        return mse(s, b["y"]) + F.kl_div(F.log_softmax(s, -1), F.softmax(t, -1), reduction="batchmean")
+
+    return Scenario(members={"student": Member(mlp(1), ds_config(2, dtype)),
+                             "teacher": Member(mlp(2), ds_config(teacher_stage, dtype), trainable=False)},
+                    phases=[Phase(loss)], dtype=dtype)
+
+
+def _rlhf(dtype="fp32"):
+    def loss(m, b, c):
+        act = m["actor"](b["x"])
+        with torch.no_grad():
+            ref = m["reference"](b["x"])
+        reward = m["reward"](act)            # gradient flows through the frozen ZeRO-3 reward model
+        value = m["critic"](b["x"])
+        actor_loss = -reward.mean() + 0.1 * ((act - ref)**2).mean()
+        critic_loss = ((value - reward.detach())**2).mean()
+        return actor_loss + critic_loss
+
+    return Scenario(members={"actor": Member(mlp(1), ds_config(2, dtype)),
+                             "critic": Member(functools.partial(Scalar, seed=2), ds_config(3, dtype)),
+                             "reference": Member(mlp(3), ds_config(3, dtype), trainable=False),
+                             "reward": Member(functools.partial(Scalar, seed=4), ds_config(3, dtype),
+                                              trainable=False)},
+                    phases=[Phase(loss)], dtype=dtype, world_size=4, micro_steps=3)
+
+
+def _gan(stage_g=2, stage_d=3, dtype="fp32"):
+    def d_loss(m, b, c):
+        fake = m["G"](b["x"]).detach()
+        return F.softplus(-m["D"](b["y"])).mean() + F.softplus(m["D"](fake)).mean()
+
+    def g_loss(m, b, c):
+        return F.softplus(-m["D"](m["G"](b["x"]))).mean()
+
+    return Scenario(members={"G": Member(mlp(1), ds_config(stage_g, dtype)),
+                             "D": Member(functools.partial(Scalar, seed=2), ds_config(stage_d, dtype))},
+                    phases=[Phase(d_loss, after=(("step", "D"), )),
+                            Phase(g_loss, after=(("step", "G"), ("zero_grad", "D")))], dtype=dtype)
+
+
+def _twice(stage, nested=True):
+    def loss(m, b, c):
+        a = m["a"]
+        out = a(a(b["x"])) if nested else a(b["x"]) + a(b["y"])
+        return mse(out, b["y"])
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage))}, phases=[Phase(loss)])
+
+
+def _structured(kind, stage=2):
+    def loss(m, b, c):
+        out, hidden = structured_out(m["b"](m["a"](b["x"])))
+        return mse(out, b["y"]) + 0.5 * hidden.pow(2).mean()
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(2)),
+                             "b": Member(functools.partial(StructuredMLP, kind=kind, seed=2), ds_config(stage))},
+                    phases=[Phase(loss)])
+
+
+def _two_backward(stage, retain=False, gas=1):
+    if retain:
+        def first(m, b, c):
+            c["out"] = m["a"](b["x"])
+            return mse(c["out"], b["y"])
+
+        def second(m, b, c):
+            return c["out"].pow(2).mean()
+    else:
+        def first(m, b, c):
+            return mse(m["a"](b["x"]), b["y"])
+
+        def second(m, b, c):
+            return mse(m["a"](2 * b["x"]), b["y"])
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage, gas=gas))},
+                    phases=[Phase(first, retain_graph=retain, after=()), Phase(second)])
+
+
+def _zero_grad_discards(stage):
+    def first(m, b, c):
+        return mse(m["a"](b["x"]), 3 * b["y"])
+
+    def second(m, b, c):
+        return mse(m["a"](b["x"]), b["y"])
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage))},
+                    phases=[Phase(first, after=(("zero_grad", "a"), )), Phase(second)])
+
+
+def _grad_tensors(stage):
+    def loss(m, b, c):
+        out = m["b"](m["a"](b["x"]))
+        return (out, ), (b["y"], )
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage)), "b": Member(mlp(2), ds_config(2))},
+                    phases=[Phase(loss)])
+
+
+def _checkpointed(stage, reentrant):
+    def loss(m, b, c):
+        return mse(m["b"](m["a"](b["x"])), b["y"])
+
+    return Scenario(members={"a": Member(functools.partial(CheckpointedMLP, reentrant=reentrant, seed=1),
+                                         ds_config(2)),
+                             "b": Member(functools.partial(CheckpointedMLP, reentrant=reentrant, seed=2),
+                                         ds_config(stage))},
+                    phases=[Phase(loss)])
+
+
+def _grad_penalty(stage, gas=1):
+    """WGAN-GP style: torch.autograd.grad(create_graph=True) inside the loss."""
+
+    def loss(m, b, c):
+        x = b["x"].clone().requires_grad_(True)
+        d = m["D"](x)
+        (gx, ) = torch.autograd.grad(d.sum(), x, create_graph=True)
+        return d.mean() + ((gx.norm(dim=-1) - 1)**2).mean()
+
+    return Scenario(members={"D": Member(functools.partial(Scalar, seed=1), ds_config(stage, gas=gas))},
+                    phases=[Phase(loss)])
+
+
+def _hooks(stage):
+    def loss(m, b, c):
+        h = m["a"](b["x"])
+        h.register_hook(lambda g: 2 * g)
+        return mse(m["b"](h), b["y"])
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage)), "b": Member(mlp(2), ds_config(stage))},
+                    phases=[Phase(loss)])
+
+
+SCENARIOS = {}
+for s in range(4):
+    SCENARIOS[f"single-z{s}"] = functools.partial(_single, s)
+    SCENARIOS[f"single-z{s}-bf16"] = functools.partial(_single, s, "bf16")
+    SCENARIOS[f"single-z{s}-fp16"] = functools.partial(_single, s, "fp16")
+    SCENARIOS[f"single-z{s}-gas2"] = functools.partial(_single, s, "fp32", 2)
+CHAIN_GAS = [(1, 1), (2, 2), (3, 1)]
+for sa, sb in itertools.product(range(4), repeat=2):
+    for ga, gb in CHAIN_GAS:
+        SCENARIOS[f"chain-z{sa}z{sb}-gas{ga}{gb}"] = functools.partial(_chain, sa, sb, ga, gb)
+SCENARIOS.update({
+    "chain-z2z3-bf16": functools.partial(_chain, 2, 3, dtype_a="bf16", dtype_b="bf16"),
+    "chain-z2z3-fp16": functools.partial(_chain, 2, 3, dtype_a="fp16", dtype_b="fp16"),
+    "chain-z1z3-fp16-gas2": functools.partial(_chain, 1, 3, 2, 2, dtype_a="fp16", dtype_b="fp16"),
+    "chain-z2z3-fp16-into-bf16": functools.partial(_chain, 2, 3, dtype_a="fp16", dtype_b="bf16"),
+    "chain-z0z2-fp32-into-fp16": functools.partial(_chain, 0, 2, dtype_a="fp32", dtype_b="fp16"),
+    "frozen-z3-middle": functools.partial(_frozen_middle, 3),
+    "frozen-z3-last": functools.partial(_frozen_middle, 3, head=False),
+    "frozen-z3-middle-gas2": functools.partial(_frozen_middle, 3, gas=2),
+    "frozen-z0-middle": functools.partial(_frozen_middle, 0),
+    "frozen-z3-middle-bf16": functools.partial(_frozen_middle, 3, dtype="bf16"),
+    "distill-z2-z3": _distill,
+    "distill-z2-z3-bf16": functools.partial(_distill, "bf16"),
+    "rlhf-4-engines": _rlhf,
+    "gan-z2-z3": _gan,
+    "gan-z1-z2": functools.partial(_gan, 1, 2),
+    "gan-z0-z1": functools.partial(_gan, 0, 1),
+    "gan-z3-z3-bf16": functools.partial(_gan, 3, 3, "bf16"),
+})
+for s in range(4):
+    SCENARIOS[f"twice-nested-z{s}"] = functools.partial(_twice, s)
+    SCENARIOS[f"twice-sum-z{s}"] = functools.partial(_twice, s, False)
+    SCENARIOS[f"two-backward-z{s}"] = functools.partial(_two_backward, s)
+    SCENARIOS[f"two-backward-retain-z{s}"] = functools.partial(_two_backward, s, True)
+    SCENARIOS[f"zero-grad-discards-z{s}"] = functools.partial(_zero_grad_discards, s)
+    SCENARIOS[f"grad-tensors-z{s}"] = functools.partial(_grad_tensors, s)
+    SCENARIOS[f"grad-penalty-z{s}"] = functools.partial(_grad_penalty, s)
+    SCENARIOS[f"hooks-z{s}"] = functools.partial(_hooks, s)
+    for reentrant in (True, False):
+        SCENARIOS[f"checkpoint-{'reentrant' if reentrant else 'nonreentrant'}-z{s}"] = functools.partial(
+            _checkpointed, s, reentrant)
+SCENARIOS["two-backward-z2-gas2"] = functools.partial(_two_backward, 2, gas=2)
+SCENARIOS["grad-penalty-z2-gas2"] = functools.partial(_grad_penalty, 2, gas=2)
+for kind in ("dict", "dataclass", "namedtuple", "list"):
+    SCENARIOS[f"outputs-{kind}-z3"] = functools.partial(_structured, kind)
+
+
+# Scenarios that cannot work and must fail with a clear error instead: name -> text of the error.
+EXPECTED_ERRORS = {
+    "two-backward-retain-z3": "second backward through the same forward",
+    "grad-penalty-z3": "create_graph=True",
+}
+
+
+def check(name, initialize=None, report_dir=None):
+    """Run scenario ``name`` through engines and the reference; raise on mismatch."""
+    if name in EXPECTED_ERRORS:
+        return _check_refused(name, initialize)
+    import json
+    import os
+
+    import deepspeed.comm as dist
+
+    from common import compare, run_engines, run_reference
+    if initialize is None:
+        import deepspeed_multi
+        initialize = deepspeed_multi.initialize
+    scenario = SCENARIOS[name]()
+    engines = run_engines(scenario, initialize)
+    reference = run_reference(scenario)
+    report = compare(engines, reference, scenario.members, scenario.dtype)
+    report_dir = report_dir or os.environ.get("DSM_REPORT_DIR")
+    if report_dir and dist.get_rank() == 0:
+        os.makedirs(report_dir, exist_ok=True)
+        with open(os.path.join(report_dir, f"{name}.json"), "w") as f:
+            json.dump({"scenario": name, "dtype": scenario.dtype, "errors": report}, f)
+    return report
+
+
+def check_many(names, **kw):
+    for name in names:
+        try:
+            check(name, **kw)
+        except Exception as e:
+            raise AssertionError(f"scenario {name!r} failed: {type(e).__name__}: {e}") from e
+
+
+def _check_refused(name, initialize):
+    from common import run_engines
+    if initialize is None:
+        import deepspeed_multi
+        initialize = deepspeed_multi.initialize
+    try:
+        run_engines(SCENARIOS[name](), initialize)
+    except RuntimeError as e:
+        if EXPECTED_ERRORS[name] not in str(e):
+            raise AssertionError(f"{name}: expected an error about {EXPECTED_ERRORS[name]!r}, got: {e}") from e
+        return {"refused": str(e)}
+    raise AssertionError(f"{name}: expected a clear RuntimeError ({EXPECTED_ERRORS[name]!r}), but it ran")
+
+
+def groups():
+    """Scenario names grouped so that each group runs in one set of processes (start-up is costly)."""
+    import re
+    out = {}
+    for name in SCENARIOS:
+        match = re.search(r"z\d", name)
+        key = name.split("-")[0] + ("-" + match.group(0) if match else "-" + name)
+        out.setdefault(key, []).append(name)
+    return out

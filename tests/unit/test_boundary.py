@@ -1,0 +1,78 @@
+"""The boundary nodes on a fake engine: scaling in and out, prologue once, double backward."""
+import pytest
+import torch
+
+from deepspeed_multi._boundary import wrap_inputs, wrap_outputs
+
+
+class FakeEngine:
+
+    def __init__(self, factor):
+        self.factor = factor
+        self.prologues = 0
+        self.checks = []
+        self.weight = torch.nn.Parameter(torch.tensor([1.5, -2.0, 0.5]))
+
+    def grad_scale_factor(self):
+        return self.factor
+
+    def _pre_backward(self):
+        self.prologues += 1
+
+    def _check_backward_supported(self, second_pass, create_graph):
+        self.checks.append((second_pass, create_graph))
+
+    def __call__(self, x):
+        (x, ), _ = wrap_inputs(self, (x, ), {})
+        return wrap_outputs(self, {"y": torch.tanh(x * self.weight), "n": 1})
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.25, 1024.0])
+def test_params_scaled_inputs_true(factor):
+    x = torch.randn(3, requires_grad=True)
+    engine = FakeEngine(factor)
+    engine(x)["y"].pow(2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    w_ref = engine.weight.detach().clone().requires_grad_(True)
+    torch.tanh(x_ref * w_ref).pow(2).sum().backward()
+    torch.testing.assert_close(engine.weight.grad, w_ref.grad * factor)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert engine.prologues == 1 and engine.checks == [(False, False)]
+
+
+def test_second_backward_through_retained_graph_is_reported():
+    engine = FakeEngine(0.5)
+    y = engine(torch.randn(3, requires_grad=True))["y"].sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    assert engine.checks == [(False, False), (True, False)]
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, 8.0])
+def test_gradient_penalty_reaches_params_scaled_once(factor):
+    """Double backward: the parameter gradient of d + |dd/dx|^2 is factor * the true one."""
+
+    def loss_of(fn, x):
+        d = fn(x)
+        (gx, ) = torch.autograd.grad(d.sum(), x, create_graph=True)
+        return d.sum() + gx.pow(2).sum(), gx
+
+    engine = FakeEngine(factor)
+    x = torch.randn(3, requires_grad=True)
+    loss, gx = loss_of(lambda t: engine(t)["y"], x)
+    loss.backward()
+    w_ref = engine.weight.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    loss_ref, gx_ref = loss_of(lambda t: torch.tanh(t * w_ref), x_ref)
+    loss_ref.backward()
+    torch.testing.assert_close(gx, gx_ref)  # what leaves the engine is the true gradient
+    torch.testing.assert_close(engine.weight.grad, w_ref.grad * factor)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert (False, True) in engine.checks
+
+
+def test_no_grad_forward_adds_no_nodes():
+    engine = FakeEngine(0.5)
+    with torch.no_grad():
+        out = engine(torch.randn(3))
+    assert out["y"].grad_fn is None and out["n"] == 1

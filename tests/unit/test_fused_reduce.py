@@ -1,0 +1,183 @@
+"""Fused-reduce extension vs the pure-PyTorch reference (bit-exact), flags and refusals."""
+import itertools
+
+import pytest
+import torch
+
+from deepspeed_multi.ops import builder
+from deepspeed_multi.ops import reference as ref
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PAIRS = list(itertools.product(DTYPES, DTYPES))
+CHUNK = 65536  # CUDA chunk size (dsm::kChunkSize); CPU threads split at 1 << 15
+SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
+         (1 << 15) - 1, 1 << 15, (1 << 15) + 1, CHUNK - 1, CHUNK, CHUNK + 1]
+SCALE = 0.3
+
+
+@pytest.fixture(scope="module")
+def ext():
+    try:
+        return builder.load()
+    except builder.BuildError as exc:
+        pytest.skip(f"extension unavailable: {exc}")
+
+
+def same(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def randn(n, dtype, device="cpu", gen=None):
+    return (torch.randn(n, generator=gen) * 10).to(dtype).to(device)
+
+
+def check_pack(impl, tensors, out_dtype, scale=SCALE, spare=3):
+    total = sum(t.numel() for t in tensors)
+    device = tensors[0].device if tensors else "cpu"
+    out = torch.full((total + spare,), 7.0, dtype=out_dtype, device=device)
+    expected = out.clone()
+    flag = impl.pack(tensors, out, scale)
+    expected_flag = ref.pack(tensors, expected, scale)
+    same(out, expected)  # the spare tail stays untouched
+    assert flag.dtype == torch.float32 and flag.dim() == 0 and flag.device == out.device
+    assert flag.item() == expected_flag.item()
+    return out, flag
+
+
+def check_unpack(impl, src, shapes, out_dtype, accumulate, scale=SCALE):
+    outs = [randn(s, out_dtype, src.device).reshape(s) for s in shapes]
+    expected = [o.clone() for o in outs]
+    flag = impl.unpack_accumulate(src, outs, scale, accumulate)
+    expected_flag = ref.unpack_accumulate(src, expected, scale, accumulate)
+    for o, e in zip(outs, expected):
+        same(o, e)
+    assert flag.item() == expected_flag.item()
+    return outs, flag
+
+
+@pytest.mark.parametrize("in_dtype,out_dtype", PAIRS, ids=lambda d: str(d).replace("torch.", ""))
+def test_pack_and_unpack_match_reference_for_every_size(ext, in_dtype, out_dtype):
+    gen = torch.Generator().manual_seed(0)
+    tensors = [randn(n, in_dtype, gen=gen) for n in SIZES]
+    out, flag = check_pack(ext, tensors, out_dtype)
+    assert flag.item() == 0.0
+    # the packed values, per tensor, equal the reference formula applied to that tensor alone
+    first = tensors[9]
+    offset = sum(SIZES[:9])
+    same(out[offset:offset + first.numel()], (first.float() * SCALE).to(out_dtype))
+    for accumulate in (False, True):
+        _, flag = check_unpack(ext, out, [(n,) for n in SIZES], in_dtype, accumulate)
+        assert flag.item() == 0.0
+
+
+def test_reference_is_exact_for_fp32():
+    t = [torch.randn(5, 3), torch.randn(4)]
+    out = torch.empty(19)
+    ref.pack(t, out, 0.5)
+    same(out, torch.cat([x.reshape(-1) for x in t]) * 0.5)
+
+
+def test_many_tiny_tensors_and_empties(ext):
+    gen = torch.Generator().manual_seed(1)
+    sizes = torch.randint(0, 6, (2000,), generator=gen).tolist()
+    for in_dtype, out_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                (torch.float16, torch.bfloat16)]:
+        tensors = [randn(n, in_dtype, gen=gen) for n in sizes]
+        out, _ = check_pack(ext, tensors, out_dtype)
+        check_unpack(ext, out, [(n,) for n in sizes], torch.float32, accumulate=True)
+
+
+def test_empty_lists_and_empty_tensors(ext):
+    out, flag = check_pack(ext, [], torch.float32)
+    assert flag.item() == 0.0
+    check_pack(ext, [torch.empty(0), torch.empty(0, 3)], torch.bfloat16)
+    src = torch.randn(4)
+    _, flag = check_unpack(ext, src, [], torch.float32, accumulate=True)
+    assert flag.item() == 0.0
+    check_unpack(ext, src, [(0,), (2, 2), (0, 5)], torch.float32, accumulate=False)
+
+
+def test_mixed_input_dtypes(ext):
+    tensors = [randn(n, d) for n, d in zip([5, 40000, 9], DTYPES)]
+    check_pack(ext, tensors, torch.float16)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=str)
+def test_nonfinite_flag_at_edges(ext, bad, where, in_dtype):
+    tensors = [randn(n, in_dtype) for n in (33, 1000, 70001)]
+    target, index = (tensors[0], 0) if where == "first" else (tensors[-1], -1)
+    target[index] = bad
+    for out_dtype in DTYPES:
+        out, flag = check_pack(ext, tensors, out_dtype)
+        assert flag.item() == 1.0
+        for accumulate in (False, True):
+            _, flag = check_unpack(ext, out, [t.shape for t in tensors], torch.float32, accumulate)
+            assert flag.item() == 1.0
+
+
+def test_flag_set_by_overflow_on_cast(ext):
+    big = torch.full((100,), 1e6)  # finite in fp32, inf in fp16
+    _, flag = check_pack(ext, [big], torch.float16)
+    assert flag.item() == 1.0
+    _, flag = check_pack(ext, [big], torch.float32)
+    assert flag.item() == 0.0
+    _, flag = check_unpack(ext, big, [(100,)], torch.float32, accumulate=False, scale=1e38)
+    assert flag.item() == 1.0
+
+
+def test_misaligned_and_noncontiguous_inputs(ext):
+    storage = randn(10_001, torch.float32)
+    misaligned = [storage[1:1 + 4097], storage[4099:4099 + 333].view(9, 37)]  # odd element offsets
+    transposed = [randn(300 * 7, torch.bfloat16).view(300, 7).t(), torch.randn(64, 65)[:, ::2]]
+    assert not transposed[0].is_contiguous() and not transposed[1].is_contiguous()
+    for out_dtype in DTYPES:
+        out, _ = check_pack(ext, misaligned + transposed, out_dtype)
+    # misaligned src and outs for unpack (outs are contiguous views at odd offsets)
+    src = randn(5000, torch.float16)[3:]
+    base = torch.randn(6001)
+    outs = [base[1:2001], base[2001:2001 + 1500].view(30, 50)]
+    expected = [o.clone() for o in outs]
+    ext.unpack_accumulate(src, outs, 2.0, True)
+    ref.unpack_accumulate(src, expected, 2.0, True)
+    for o, e in zip(outs, expected):
+        same(o, e)
+
+
+@pytest.mark.parametrize("impl_name", ["ext", "ref"])
+def test_refusals_name_the_tensor(ext, impl_name):
+    impl = ext if impl_name == "ext" else ref
+    ok = torch.randn(4)
+    with pytest.raises(ValueError, match=r"tensors\[1\].*int64.*expected torch.float32"):
+        impl.pack([ok, torch.ones(3, dtype=torch.int64)], torch.empty(10), 1.0)
+    with pytest.raises(ValueError, match=r"tensors\[2\].*\[3, 2\].*needs out elements \[8, 14\).*out has 10"):
+        impl.pack([ok, ok, torch.randn(3, 2)], torch.empty(10), 1.0)
+    with pytest.raises(ValueError, match=r"out .*1-D contiguous"):
+        impl.pack([ok], torch.empty(4, 2), 1.0)
+    with pytest.raises(ValueError, match=r"outs\[1\] \(shape \[3, 4\].*not contiguous.*contiguous tensor"):
+        impl.unpack_accumulate(torch.randn(20), [ok, torch.randn(4, 3).t()], 1.0, True)
+    with pytest.raises(ValueError, match=r"outs\[0\].*needs src elements \[0, 30\).*src has 20"):
+        impl.unpack_accumulate(torch.randn(20), [torch.randn(30)], 1.0, False)
+    with pytest.raises(ValueError, match=r"outs\[0\].*float64.*expected"):
+        impl.unpack_accumulate(torch.randn(20), [torch.randn(3, dtype=torch.float64)], 1.0, False)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"tensors\[1\].*is on cuda.*out is on cpu"):
+            impl.pack([ok, ok.cuda()], torch.empty(10), 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("in_dtype,out_dtype", PAIRS, ids=lambda d: str(d).replace("torch.", ""))
+def test_cuda_matches_reference(ext, in_dtype, out_dtype):
+    assert ext.has_cuda, "extension was built without CUDA kernels"
+    gen = torch.Generator().manual_seed(2)
+    sizes = SIZES + [3 * CHUNK + 5] + [1, 2, 3] * 100  # > kMaxTensors tensors, > 1 launch
+    tensors = [randn(n, in_dtype, gen=gen).cuda() for n in sizes]
+    tensors.append(randn(777, in_dtype).cuda()[1:])  # misaligned
+    out, flag = check_pack(ext, tensors, out_dtype)
+    assert flag.item() == 0.0
+    for accumulate in (False, True):
+        check_unpack(ext, out, [t.shape for t in tensors], in_dtype, accumulate)
+    tensors[-2][0] = float("nan")
+    _, flag = check_pack(ext, tensors, out_dtype)
+    assert flag.item() == 1.0
