@@ -1,0 +1,175 @@
+"""Microbenchmark: fused gradient-bucket ops vs the unfused torch sequence ZeRO-2/3 runs today.
+
+For each bucket (N gradient tensors of random sizes, T bytes of bucket in total) it times one
+bucket round trip, without the collective itself:
+
+* unfused:   per-tensor ``bucket.narrow(...).copy_(g.view(-1))``, ``bucket.div_(world_size)``,
+             ``isinf(b).any() | isnan(b).any()``, then per tensor
+             ``p.add_(bucket.narrow(...).view_as(p).float().mul_(1 / loss_scale))``;
+* reference: ``deepspeed_multi.ops.reference`` pack + unpack_accumulate (pure PyTorch);
+* fused:     the C++ extension's pack + unpack_accumulate (flags included);
+* copy:      ``dst.copy_(src)`` moving the same number of bytes (the memory-bandwidth limit).
+
+Bytes counted = read + written by the ideal fused round trip: grads read, bucket written, bucket
+read, fp32 partitions read and written. Reports the median of several repetitions after
+warm-up, prints a table, writes benchmarks/results/fused_reduce.json (+ .png if matplotlib is
+installed) and ends with ``RESULT fused_vs_unfused=<x> fused_vs_copy=<y>`` for the largest
+bucket with at least 1000 tensors.
+
+Usage: python benchmarks/fused_reduce.py [--quick] [--dtype bf16|fp16|fp32] [--world-size 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deepspeed_multi.ops import builder, reference  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MB = 1 << 20
+# (number of tensors, bucket bytes)
+FULL = [(16, 1 * MB), (64, 16 * MB), (1024, 16 * MB), (4096, 16 * MB), (1024, 64 * MB),
+        (4096, 256 * MB), (16, 256 * MB)]
+QUICK = [(16, 1 * MB), (1024, 16 * MB), (4096, 64 * MB)]
+
+
+def make_bucket(n_tensors, nbytes, dtype, seed=0):
+    """Gradients (model dtype), the flat bucket, and fp32 gradient partitions of the same sizes."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = nbytes // torch.empty((), dtype=dtype).element_size()
+    weights = torch.rand(n_tensors, generator=gen) + 0.5
+    sizes = (weights / weights.sum() * numel).long().clamp(min=1)
+    sizes[-1] += numel - int(sizes.sum())
+    grads = [torch.randn(int(n), generator=gen).to(dtype) for n in sizes]
+    parts = [torch.zeros(int(n)) for n in sizes]
+    return grads, torch.empty(numel, dtype=dtype), parts
+
+
+def unfused(grads, bucket, parts, world_size, inv_loss_scale):
+    offset = 0
+    for g in grads:
+        bucket.narrow(0, offset, g.numel()).copy_(g.view(-1))
+        offset += g.numel()
+    bucket.div_(world_size)
+    flag = torch.isinf(bucket).any() | torch.isnan(bucket).any()
+    offset = 0
+    for p in parts:
+        p.add_(bucket.narrow(0, offset, p.numel()).view_as(p).float().mul_(inv_loss_scale))
+        offset += p.numel()
+    return flag
+
+
+def fused_with(impl):
+    def run(grads, bucket, parts, world_size, inv_loss_scale):
+        flag = impl.pack(grads, bucket, 1.0 / world_size)
+        return flag + impl.unpack_accumulate(bucket, parts, inv_loss_scale, True)
+
+    return run
+
+
+def median_time(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_bucket(n_tensors, nbytes, dtype, methods, world_size, reps):
+    grads, bucket, parts = make_bucket(n_tensors, nbytes, dtype)
+    numel = bucket.numel()
+    traffic = 2 * numel * bucket.element_size() + numel * bucket.element_size() + 2 * numel * 4
+    copy_src = torch.ones(traffic // 8)  # float32: traffic/2 bytes read, traffic/2 written
+    copy_dst = torch.empty_like(copy_src)
+    times = {"copy": median_time(lambda: copy_dst.copy_(copy_src), reps)}
+    for name, fn in methods.items():
+        times[name] = median_time(lambda: fn(grads, bucket, parts, world_size, 1 / 1024.0), reps)
+    rows = []
+    for name, seconds in times.items():
+        rows.append({
+            "tensors": n_tensors, "bucket_mb": nbytes / MB, "method": name, "ms": seconds * 1e3,
+            "gb_per_s": traffic / seconds / 1e9, "speedup_vs_unfused": times["unfused"] / seconds,
+            "fraction_of_copy": times["copy"] / seconds,
+        })
+    return rows
+
+
+def print_table(rows):
+    header = f"{'tensors':>7} {'bucket MB':>9} {'method':>9} {'ms':>9} {'GB/s':>7} {'x unfused':>9} {'of copy':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['tensors']:>7} {r['bucket_mb']:>9.0f} {r['method']:>9} {r['ms']:>9.3f} {r['gb_per_s']:>7.2f} "
+              f"{r['speedup_vs_unfused']:>9.2f} {r['fraction_of_copy']:>7.2f}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; skipping the PNG (pip install matplotlib)")
+        return
+    buckets = sorted({(r["tensors"], r["bucket_mb"]) for r in rows}, key=lambda b: (b[1], b[0]))
+    labels = [f"{n}x / {mb:.0f} MB" for n, mb in buckets]
+    methods = ["copy", "fused", "reference", "unfused"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        values = [next((r["gb_per_s"] for r in rows if (r["tensors"], r["bucket_mb"]) == b and r["method"] == m), 0)
+                  for b in buckets]
+        ax.bar([x + i * width for x in range(len(buckets))], values, width, label=m)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(buckets))], labels, rotation=20)
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.set_title(f"Gradient bucket round trip, {torch.get_num_threads()} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description="fused gradient-bucket ops microbenchmark")
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller buckets and repetitions")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="gradient and bucket dtype")
+    parser.add_argument("--world-size", type=int, default=8, help="pre-divide factor")
+    args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    ext = builder.load()
+    methods = {"unfused": unfused, "reference": fused_with(reference), "fused": fused_with(ext)}
+    rows = []
+    for n_tensors, nbytes in QUICK if args.quick else FULL:
+        reps = 3 if args.quick else (5 if nbytes >= 64 * MB else 15)
+        rows += bench_bucket(n_tensors, nbytes, dtype, methods, args.world_size, reps)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, grads/bucket {dtype}, fp32 partitions, "
+          f"{platform.processor() or platform.machine()}")
+    print_table(rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "world_size": args.world_size, "quick": args.quick}
+    (RESULTS / "fused_reduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {RESULTS / 'fused_reduce.json'}")
+    plot(rows, RESULTS / "fused_reduce.png")
+    many = [r for r in rows if r["tensors"] >= 1000 and r["method"] == "fused"]
+    key = max(many, key=lambda r: (r["bucket_mb"], r["tensors"]))
+    print(f"RESULT fused_vs_unfused={key['speedup_vs_unfused']:.2f} fused_vs_copy={key['fraction_of_copy']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,494 @@
+// Fused gradient-bucket ops: pack (flatten + scale + cast) and unpack_accumulate
+// (slice + cast + scale + assign/accumulate), each returning a non-finite flag
+// computed in the same pass.
+//
+// Both ops reduce to one primitive: a list of segments (src pointer, dst pointer,
+// element count, src dtype, dst dtype), each computing
+//     dst[k] = cast(float(src[k]) * scale)                 (assign)
+//     dst[k] = cast(float(dst[k]) + float(src[k]) * scale)  (accumulate)
+// pack:   segment i = (tensors[i], out + offset_i);
+// unpack: segment i = (src + offset_i, outs[i]).
+// On CPU the segments are processed by at::parallel_for over the flat element
+// range (so big tensors are split across threads and tiny ones are batched);
+// on CUDA (built with -DDSM_WITH_CUDA) by the multi-tensor kernels in
+// fused_reduce_cuda.cu.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#ifdef DSM_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+// Defined in fused_reduce_cuda.cu; returns a cudaError_t value (0 = success).
+int dsm_cuda_scale_segments(int in_code, int out_code, bool accumulate, const void* const* src,
+                            void* const* dst, const int64_t* numel, int64_t count, float scale,
+                            float* flag, void* stream);
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// dtype codes shared with fused_reduce_cuda.cu: 0 = float32, 1 = bfloat16, 2 = float16.
+constexpr int kNumCodes = 3;
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: return -1;
+  }
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Element codecs: load to fp32, store from fp32 with round-to-nearest-even (the
+// same rounding as torch's casts), and a bit test for inf/nan on the stored value.
+// Written as plain bit operations so that gcc -O3 vectorizes the loops.
+inline uint32_t bits_of(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  return b;
+}
+inline float float_of(uint32_t b) {
+  float v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+struct F32 {
+  using T = float;
+  static float load(T v) { return v; }
+  static T store(float v) { return v; }
+  static uint32_t nonfinite(T v) { return (bits_of(v) & 0x7f800000u) == 0x7f800000u; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static float load(T v) { return float_of(static_cast<uint32_t>(v) << 16); }
+  // c10::detail::round_to_nearest_even without the branch (nan -> 0x7fc0).
+  static T store(float v) {
+    const uint32_t u = bits_of(v);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<T>(v != v ? 0x7fc0u : rounded);
+  }
+  static uint32_t nonfinite(T v) { return (v & 0x7f80u) == 0x7f80u; }
+};
+
+// IEEE half <-> float as in c10::detail::fp16_ieee_{to,from}_fp32_value (the FP16 library's
+// branch-free algorithms), restated here so that the loops inline and vectorize.
+struct F16 {
+  using T = uint16_t;
+  static float load(T h) {
+    const uint32_t w = static_cast<uint32_t>(h) << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = float_of((two_w >> 4) + (0xe0u << 23)) * float_of(0x07800000u);  // * 2^-112
+    const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t result = sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized));
+    return float_of(result);
+  }
+  static T store(float f) {
+    const float scale_to_inf = float_of(0x77800000u);   // 2^112
+    const float scale_to_zero = float_of(0x08800000u);  // 2^-110
+    float base = (float_of(bits_of(f) & 0x7fffffffu) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = bits_of(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = float_of((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = bits_of(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+    return static_cast<T>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+  }
+  static uint32_t nonfinite(T v) { return (v & 0x7c00u) == 0x7c00u; }
+};
+
+// One segment's inner loop. Returns nonzero if any stored value is inf/nan.
+// (An inf/nan input always yields an inf/nan output, so testing the stored
+// value covers both the inputs and the scaled, cast outputs.)
+template <class In, class Out, bool Acc>
+inline __attribute__((always_inline)) uint32_t scale_loop(const void* src_v, void* dst_v, int64_t n,
+                                                          float scale) {
+  const typename In::T* __restrict__ src = static_cast<const typename In::T*>(src_v);
+  typename Out::T* __restrict__ dst = static_cast<typename Out::T*>(dst_v);
+  uint32_t bad = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    float v = In::load(src[k]) * scale;
+    if (Acc) v = Out::load(dst[k]) + v;
+    const typename Out::T stored = Out::store(v);
+    dst[k] = stored;
+    bad |= Out::nonfinite(stored);
+  }
+  return bad;
+}
+
+// The same loop compiled twice: for the x86-64 baseline (SSE2) and, selected at run time, for
+// AVX2 (wider integer ops make the half/bfloat16 conversions vectorize). No -march=native, so
+// the cached build stays valid on any x86-64 host. -ffp-contract=off keeps mul and add separate
+// (no FMA), so the rounding matches the reference exactly.
+template <class In, class Out, bool Acc>
+uint32_t scale_segment(const void* src, void* dst, int64_t n, float scale) {
+  return scale_loop<In, Out, Acc>(src, dst, n, scale);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Explicit AVX2 + F16C path, selected at run time (no -march=native, so the cached build stays
+// valid on any x86-64 host): 8 lanes per step through the V8 codecs, then the scalar loop for
+// the tail. Half conversions use the F16C instructions (round-to-nearest-even, as torch does);
+// bfloat16 uses the same integer rounding as BF16::store.
+#define DSM_HAVE_AVX2_PATH 1
+#define DSM_AVX2 __attribute__((target("avx2,f16c")))
+
+template <class C>
+struct V8;
+
+template <>
+struct V8<F32> {
+  DSM_AVX2 static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  // Stores and returns a nonzero mask if any lane is inf/nan.
+  DSM_AVX2 static int store(float* p, __m256 v) {
+    _mm256_storeu_ps(p, v);
+    const __m256i exp = _mm256_set1_epi32(0x7f800000);
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exp), exp));
+  }
+};
+
+DSM_AVX2 inline int store_halves(uint16_t* p, __m128i h, int16_t exp_mask) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  const __m128i exp = _mm_set1_epi16(exp_mask);
+  return _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(h, exp), exp));
+}
+
+template <>
+struct V8<BF16> {
+  DSM_AVX2 static __m256 load(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  DSM_AVX2 static int store(uint16_t* p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), is_nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    return store_halves(p, _mm256_castsi256_si128(packed), 0x7f80);
+  }
+};
+
+template <>
+struct V8<F16> {
+  DSM_AVX2 static __m256 load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  DSM_AVX2 static int store(uint16_t* p, __m256 v) {
+    return store_halves(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 0x7c00);
+  }
+};
+
+template <class In, class Out, bool Acc>
+DSM_AVX2 uint32_t scale_segment_avx2(const void* src_v, void* dst_v, int64_t n, float scale) {
+  const typename In::T* src = static_cast<const typename In::T*>(src_v);
+  typename Out::T* dst = static_cast<typename Out::T*>(dst_v);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int bad = 0;
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    __m256 v = _mm256_mul_ps(V8<In>::load(src + k), vscale);
+    if (Acc) v = _mm256_add_ps(V8<Out>::load(dst + k), v);
+    bad |= V8<Out>::store(dst + k, v);
+  }
+  return static_cast<uint32_t>(bad != 0) | scale_loop<In, Out, Acc>(src + k, dst + k, n - k, scale);
+}
+
+const bool kUseAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
+
+using SegmentFn = uint32_t (*)(const void*, void*, int64_t, float);
+
+template <class In, class Out, bool Acc>
+SegmentFn pick_isa() {
+#ifdef DSM_HAVE_AVX2_PATH
+  if (kUseAvx2) return &scale_segment_avx2<In, Out, Acc>;
+#endif
+  return &scale_segment<In, Out, Acc>;
+}
+
+template <class In, bool Acc>
+SegmentFn pick_out(int out_code) {
+  switch (out_code) {
+    case 0: return pick_isa<In, F32, Acc>();
+    case 1: return pick_isa<In, BF16, Acc>();
+    default: return pick_isa<In, F16, Acc>();
+  }
+}
+
+template <bool Acc>
+SegmentFn pick(int in_code, int out_code) {
+  switch (in_code) {
+    case 0: return pick_out<F32, Acc>(out_code);
+    case 1: return pick_out<BF16, Acc>(out_code);
+    default: return pick_out<F16, Acc>(out_code);
+  }
+}
+
+// ---------------------------------------------------------------------------
+struct Segment {
+  const char* src;
+  char* dst;
+  int64_t numel;
+  int in_code;
+  int out_code;
+};
+
+struct Plan {
+  std::vector<Segment> segments;  // non-empty segments only
+  std::vector<int64_t> offsets;   // flat start of each segment, plus the total at the end
+  std::vector<at::Tensor> keep;   // contiguous copies that segments point into
+
+  explicit Plan(size_t capacity) {
+    segments.reserve(capacity);
+    offsets.reserve(capacity + 1);
+    offsets.push_back(0);
+  }
+  int64_t total() const { return offsets.back(); }
+  void add(const void* src, int in_code, void* dst, int out_code, int64_t numel) {
+    if (numel == 0) return;
+    segments.push_back({static_cast<const char*>(src), static_cast<char*>(dst), numel, in_code, out_code});
+    offsets.push_back(total() + numel);
+  }
+};
+
+constexpr int64_t kGrain = 1 << 15;  // elements per thread at least
+
+float run_cpu(const Plan& plan, float scale, bool accumulate) {
+  if (plan.segments.empty()) return 0.f;
+  std::vector<SegmentFn> fns(plan.segments.size());
+  std::vector<int> in_size(plan.segments.size()), out_size(plan.segments.size());
+  static const int kSize[kNumCodes] = {4, 2, 2};
+  for (size_t i = 0; i < plan.segments.size(); ++i) {
+    const Segment& s = plan.segments[i];
+    fns[i] = accumulate ? pick<true>(s.in_code, s.out_code) : pick<false>(s.in_code, s.out_code);
+    in_size[i] = kSize[s.in_code];
+    out_size[i] = kSize[s.out_code];
+  }
+  const std::vector<int64_t>& off = plan.offsets;  // size segments + 1
+  std::atomic<uint32_t> bad{0};
+  at::parallel_for(0, plan.total(), kGrain, [&](int64_t begin, int64_t end) {
+    uint32_t local = 0;
+    size_t i = std::upper_bound(off.begin(), off.end(), begin) - off.begin() - 1;
+    while (begin < end) {
+      const Segment& s = plan.segments[i];
+      const int64_t stop = std::min(end, off[i + 1]);
+      const int64_t k = begin - off[i];
+      local |= fns[i](s.src + k * in_size[i], s.dst + k * out_size[i], stop - begin, scale);
+      begin = stop;
+      ++i;
+    }
+    if (local) bad.fetch_or(1u, std::memory_order_relaxed);
+  });
+  return bad.load() ? 1.f : 0.f;
+}
+
+#ifdef DSM_WITH_CUDA
+at::Tensor run_cuda(const Plan& plan, float scale, bool accumulate, const at::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor flag = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  // One launch sequence per (src dtype, dst dtype) pair present.
+  for (int in_code = 0; in_code < kNumCodes; ++in_code) {
+    for (int out_code = 0; out_code < kNumCodes; ++out_code) {
+      std::vector<const void*> src;
+      std::vector<void*> dst;
+      std::vector<int64_t> numel;
+      for (const Segment& s : plan.segments) {
+        if (s.in_code != in_code || s.out_code != out_code) continue;
+        src.push_back(s.src);
+        dst.push_back(s.dst);
+        numel.push_back(s.numel);
+      }
+      if (src.empty()) continue;
+      const int err = dsm_cuda_scale_segments(in_code, out_code, accumulate, src.data(), dst.data(),
+                                              numel.data(), static_cast<int64_t>(src.size()), scale,
+                                              flag.data_ptr<float>(), stream);
+      TORCH_CHECK(err == 0, "deepspeed_multi fused_reduce: CUDA kernel launch failed with cudaError ", err);
+    }
+  }
+  return flag;
+}
+#endif
+
+at::Tensor run(const Plan& plan, float scale, bool accumulate, const at::Device& device) {
+  if (device.is_cuda()) {
+#ifdef DSM_WITH_CUDA
+    return run_cuda(plan, scale, accumulate, device);
+#else
+    throw py::value_error(
+        "deepspeed_multi fused_reduce: got CUDA tensors but this build of the extension has no CUDA "
+        "kernels (it was built where torch.cuda.is_available() was False); set DSM_FUSED_REDUCE=ref "
+        "or rebuild it on a machine with CUDA");
+#endif
+  }
+  if (!device.is_cpu()) {
+    throw py::value_error("deepspeed_multi fused_reduce: tensors are on " + device.str() +
+                          "; the extension supports cpu and cuda only; set DSM_FUSED_REDUCE=ref");
+  }
+  float flag;
+  {
+    py::gil_scoped_release no_gil;
+    flag = run_cpu(plan, scale, accumulate);
+  }
+  return at::scalar_tensor(flag, at::TensorOptions().dtype(at::kFloat));
+}
+
+// ---------------------------------------------------------------------------
+// Argument checks. Each error names the op, the argument (with its index),
+// what was expected, what was found, and what to do.
+// A tensor argument named lazily: base "tensors" + index 3 -> "tensors[3]"; index < 0 -> base.
+// Names are only formatted when an error is raised, to keep the per-tensor cost minimal.
+struct Arg {
+  const char* base;
+  int64_t index;
+  std::string str() const { return index < 0 ? base : std::string(base) + "[" + std::to_string(index) + "]"; }
+};
+
+std::string describe(const Arg& name, const at::Tensor& t) {
+  std::ostringstream os;
+  os << name.str() << " (shape " << t.sizes() << ", dtype " << dtype_name(t.scalar_type()) << ", device "
+     << t.device() << ")";
+  return os.str();
+}
+
+int checked_code(const char* op, const Arg& name, const at::Tensor& t) {
+  const int code = dtype_code(t.scalar_type());
+  if (code < 0) {
+    throw py::value_error(std::string(op) + ": " + describe(name, t) +
+                          " has an unsupported dtype; expected torch.float32, torch.bfloat16 or "
+                          "torch.float16; cast it first (e.g. t.float())");
+  }
+  return code;
+}
+
+void check_device(const char* op, const Arg& name, const at::Tensor& t, const char* ref_name,
+                  const at::Device& device) {
+  if (t.device() != device) {
+    throw py::value_error(std::string(op) + ": " + describe(name, t) + " is on " + t.device().str() +
+                          " but " + std::string(ref_name) + " is on " + device.str() +
+                          "; move all tensors to one device first");
+  }
+}
+
+void check_flat(const char* op, const Arg& name, const at::Tensor& t) {
+  if (t.dim() != 1 || !t.is_contiguous()) {
+    throw py::value_error(std::string(op) + ": " + describe(name, t) +
+                          " must be a 1-D contiguous tensor; pass a flat buffer (e.g. buf.view(-1) of a "
+                          "contiguous tensor)");
+  }
+}
+
+void check_fits(const char* op, const Arg& name, const at::Tensor& t, int64_t offset, const char* buf,
+                int64_t capacity) {
+  if (offset + t.numel() > capacity) {
+    throw py::value_error(std::string(op) + ": " + describe(name, t) + " needs " + buf + " elements [" +
+                          std::to_string(offset) + ", " + std::to_string(offset + t.numel()) + ") but " + buf +
+                          " has " + std::to_string(capacity) + "; pass a " + buf +
+                          " with at least the total numel of all tensors");
+  }
+}
+
+at::Tensor pack(const std::vector<at::Tensor>& tensors, const at::Tensor& out, double scale) {
+  constexpr const char* op = "pack";
+  const Arg out_arg{"out", -1};
+  check_flat(op, out_arg, out);
+  const int out_code = checked_code(op, out_arg, out);
+  char* dst = static_cast<char*>(out.data_ptr());
+  Plan plan(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const Arg name{"tensors", static_cast<int64_t>(i)};
+    const int in_code = checked_code(op, name, t);
+    check_device(op, name, t, "out", out.device());
+    check_fits(op, name, t, plan.total(), "out", out.numel());
+    const at::Tensor* src = &t;
+    if (t.numel() > 0 && !t.is_contiguous()) {
+      plan.keep.push_back(t.contiguous());
+      src = &plan.keep.back();
+    }
+    plan.add(src->data_ptr(), in_code, dst + plan.total() * out.element_size(), out_code, t.numel());
+  }
+  return run(plan, static_cast<float>(scale), /*accumulate=*/false, out.device());
+}
+
+at::Tensor unpack_accumulate(const at::Tensor& src, const std::vector<at::Tensor>& outs, double scale,
+                             bool accumulate) {
+  constexpr const char* op = "unpack_accumulate";
+  const Arg src_arg{"src", -1};
+  check_flat(op, src_arg, src);
+  const int in_code = checked_code(op, src_arg, src);
+  const char* base = static_cast<const char*>(src.data_ptr());
+  Plan plan(outs.size());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& t = outs[i];
+    const Arg name{"outs", static_cast<int64_t>(i)};
+    const int out_code = checked_code(op, name, t);
+    check_device(op, name, t, "src", src.device());
+    if (!t.is_contiguous()) {
+      std::ostringstream os;
+      os << op << ": " << describe(name, t) << " is not contiguous (strides " << t.strides()
+         << "); it is written in place, so pass a contiguous tensor (e.g. make the gradient partition "
+            "contiguous, or unpack into a contiguous buffer and copy_ it back)";
+      throw py::value_error(os.str());
+    }
+    check_fits(op, name, t, plan.total(), "src", src.numel());
+    plan.add(base + plan.total() * src.element_size(), in_code, t.data_ptr(), out_code, t.numel());
+  }
+  return run(plan, static_cast<float>(scale), accumulate, src.device());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack,
+        "Write cat(t.reshape(-1) for t in tensors) * scale, cast to out.dtype, into out[:total]; "
+        "returns a 0-dim float32 flag (1.0 if any input or output value is inf/nan).",
+        py::arg("tensors"), py::arg("out"), py::arg("scale"));
+  m.def("unpack_accumulate", &unpack_accumulate,
+        "For each outs[i], assign (or add, if accumulate) src[o_i:o_i+n_i].float() * scale; "
+        "returns a 0-dim float32 flag (1.0 if any written value is inf/nan).",
+        py::arg("src"), py::arg("outs"), py::arg("scale"), py::arg("accumulate"));
+#ifdef DSM_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+}
