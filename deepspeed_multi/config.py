@@ -1,5 +1,6 @@
 """Reading a DeepSpeed config the way deepspeed.initialize does, and our own keys."""
 import copy
+from dataclasses import dataclass, fields
 
 from deepspeed.runtime.config import DeepSpeedConfigError  # noqa: F401 (re-exported for callers)
 from deepspeed.runtime.constants import MANAGED_GRADIENT_ACCUMULATION
@@ -18,7 +19,7 @@ def zero_stage(config: dict) -> int:
 
 
 def prepare_engine_config(config: dict):
-    """Return (config for DeepSpeed, whether the user owns the accumulation boundary).
+    """Return (config for DeepSpeed, whether the user owns the accumulation boundary, our options).
 
     [Note: who owns the gradient-accumulation boundary]
     MultiEngine runs DeepSpeed with ``managed_gradient_accumulation=false``: every backward
@@ -29,6 +30,7 @@ def prepare_engine_config(config: dict):
     does by default, unless the user set managed_gradient_accumulation=false themselves, in
     which case every step() updates.
     """
+    options = MultiOptions.from_config(config)
     user_managed = config.get(MANAGED_GRADIENT_ACCUMULATION, True) is False
     config[MANAGED_GRADIENT_ACCUMULATION] = False
     stage = zero_stage(config)
@@ -37,4 +39,27 @@ def prepare_engine_config(config: dict):
         raise ValueError("deepspeed_multi: zero_optimization.overlap_comm=true is not supported with ZeRO stage 1 "
                          "(DeepSpeed supports it only with managed accumulation). Set overlap_comm to false, or use "
                          "stage 2, which reduces during backward anyway.")
-    return config, user_managed
+    return config, user_managed, options
+
+
+OPTIONS_KEY = "deepspeed_multi"
+
+
+@dataclass
+class MultiOptions:
+    """Our own options, under the config key "deepspeed_multi" (removed before DeepSpeed sees it).
+
+    fused_reduce: use the fused gradient-bucket ops (deepspeed_multi.ops) in the ZeRO-2/3
+        reduction path; the pure-PyTorch reference runs where no compiler is available.
+    """
+    fused_reduce: bool = True
+
+    @classmethod
+    def from_config(cls, config: dict) -> "MultiOptions":
+        given = config.pop(OPTIONS_KEY, None) or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"deepspeed_multi: unknown option(s) {unknown} under config key {OPTIONS_KEY!r}; "
+                             f"known options: {sorted(known)}.")
+        return cls(**given)

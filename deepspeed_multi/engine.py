@@ -4,15 +4,19 @@ The engine stays thin: the boundary nodes live in ``_boundary``, the gradient sc
 ``grad_scale``, the ZeRO gradient-buffer handling in ``zero_buffers``.
 """
 import logging
+import os
+from contextlib import contextmanager
 
+import deepspeed.comm as dist
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import count_used_parameters_in_backward
 
-from . import grad_scale, zero_buffers
+from . import fused_zero, grad_scale, zero_buffers
 from ._boundary import wrap_inputs, wrap_outputs
 from ._state import TrainingState
+from .config import MultiOptions
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +33,9 @@ class MultiEngine(DeepSpeedEngine):
     :meth:`zero_grad`, as with a plain ``nn.Module``.
     """
 
-    def __init__(self, *args, user_managed_boundary=False, **kwargs):
+    def __init__(self, *args, user_managed_boundary=False, options=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.options = options or MultiOptions()
         # Every stage gets the torch-style path from our boundary nodes, not from DeepSpeed's
         # output hooks and per-parameter counters, so stage 0 and frozen engines work too.
         self._support_torch_style_backward = True
@@ -45,7 +50,12 @@ class MultiEngine(DeepSpeedEngine):
         self._user_managed_boundary = user_managed_boundary
         self._window_micro_steps = 0
         self.overflow_group = None
+        self._window_backwards = 0
+        # One tiny all-reduce per update; DSM_CHECK_RANK_AGREEMENT=0 turns it off.
+        self.check_rank_agreement = os.environ.get("DSM_CHECK_RANK_AGREEMENT", "1") != "0"
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.options.fused_reduce:
+            fused_zero.install(self.optimizer)
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
@@ -99,6 +109,7 @@ class MultiEngine(DeepSpeedEngine):
             return
         self._state = TrainingState.IN_BACKWARD
         self._backward_task_id = torch._C._current_graph_task_id()
+        self._window_backwards += 1
         if isinstance(self.optimizer, ZeROOptimizer):
             self.optimizer.clear_backward_seen_flag()
         DeepSpeedEngine._backward_prologue(self)
@@ -153,6 +164,40 @@ class MultiEngine(DeepSpeedEngine):
             return True
         return (self._window_micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
+    @contextmanager
+    def no_sync(self):
+        """Accepted at every stage; gradients stay exactly right inside it.
+
+        Gradients are already reduced only at the update for stages 0 and 1 (see [Note: who owns
+        the gradient-accumulation boundary] in config.py), so this is DeepSpeed's no_sync there.
+        Stages 2 and 3 must reduce-scatter during each backward to partition gradients; inside
+        this context they still do (it saves nothing, but nothing is lost either).
+        """
+        if self.zero_optimization_partition_gradients():
+            yield
+        else:
+            with super().no_sync():
+                yield
+
+    def _check_ranks_agree(self):
+        """Every rank must have run the same number of backward passes through this engine.
+
+        A backward that reaches an engine on some ranks only leaves its collectives unmatched;
+        ZeRO-0/1 reduce at the update, so they are caught here before the mismatch. (ZeRO-2/3
+        reduce during backward: a mismatch there blocks in that collective until the
+        process-group timeout of deepspeed.init_distributed.)
+        """
+        counts = torch.tensor([self._window_backwards, -self._window_backwards], dtype=torch.int64,
+                              device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        high, low = counts[0].item(), -counts[1].item()
+        if high != low:
+            raise RuntimeError(
+                f"MultiEngine ({self._engine_name()}): ranks disagree on how many backward passes reached this "
+                f"engine since its last update (between {low} and {high}; this rank: {self._window_backwards}). "
+                "Every rank must use the engine's outputs in the loss it backpropagates (multiply by 0 to keep "
+                "an output in the graph on ranks that do not need it).")
+
     def step(self, lr_kwargs=None):
         self._check_can_step("step()")
         if not self.is_update_boundary():
@@ -160,6 +205,9 @@ class MultiEngine(DeepSpeedEngine):
             self.micro_steps += 1
             return
         self._window_micro_steps = 0
+        if self.trains and self.check_rank_agreement:
+            self._check_ranks_agree()
+        self._window_backwards = 0
         if self.overflow_group is not None:
             self.overflow_group.before_step(self)
         super().step(lr_kwargs)
@@ -172,5 +220,6 @@ class MultiEngine(DeepSpeedEngine):
             raise RuntimeError("zero_grad() called while a backward pass is producing this engine's gradients.")
         super().zero_grad()
         zero_buffers.discard(self.optimizer)
+        self._window_backwards = 0
         self._state = TrainingState.IDLE
         self._backward_task_id = None

@@ -28,7 +28,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is None:
         raise ValueError("deepspeed_multi.initialize needs a DeepSpeed config: pass config=<dict or path> "
                          "(or args.deepspeed_config).")
-    config, user_managed = prepare_engine_config(load_config(config))
+    config, user_managed, options = prepare_engine_config(load_config(config))
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")
@@ -39,7 +39,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                   mesh_param=mesh_param)
     if distributed_port is not None:
         kwargs["distributed_port"] = distributed_port
-    engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed)
+    engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed, options=options)
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
     with _ENGINE_CLASS_LOCK:
