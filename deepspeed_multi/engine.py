@@ -12,6 +12,7 @@ import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import count_used_parameters_in_backward
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from . import fused_zero, grad_scale, zero_buffers
 from ._boundary import wrap_inputs, wrap_outputs
@@ -73,9 +74,14 @@ class MultiEngine(DeepSpeedEngine):
 
     # ---------------------------------------------------------------- backward hooks
     @property
+    def has_optimizer(self) -> bool:
+        # ZeRO-3 without an optimizer still gets a DeepSpeedZeRoOffload (parameter management only).
+        return self.optimizer is not None and not isinstance(self.optimizer, DeepSpeedZeRoOffload)
+
+    @property
     def trains(self) -> bool:
         """True when this engine has an optimizer and parameters that require grad."""
-        return self.optimizer is not None and bool(self._trainable_params)
+        return self.has_optimizer and bool(self._trainable_params)
 
     def grad_scale_factor(self) -> float:
         return grad_scale.factor(self)
@@ -199,6 +205,10 @@ class MultiEngine(DeepSpeedEngine):
                 "an output in the graph on ranks that do not need it).")
 
     def step(self, lr_kwargs=None):
+        if not self.has_optimizer:
+            raise RuntimeError(f"MultiEngine ({self._engine_name()}) is inference-only: it was built without an "
+                               "optimizer, so step() has nothing to update. Pass optimizer=... (or an \"optimizer\" "
+                               "config section) to deepspeed_multi.initialize to train it.")
         self._check_can_step("step()")
         if not self.is_update_boundary():
             self._window_micro_steps += 1

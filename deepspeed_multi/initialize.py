@@ -1,15 +1,17 @@
 """``deepspeed_multi.initialize``: ``deepspeed.initialize`` that builds a MultiEngine."""
 import copy
 import functools
+import logging
 import threading
 
 import deepspeed
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from .config import load_config, prepare_engine_config
+from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 
 _ENGINE_CLASS_LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 @functools.wraps(deepspeed.initialize, assigned=("__doc__", ))
@@ -29,6 +31,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("deepspeed_multi.initialize needs a DeepSpeed config: pass config=<dict or path> "
                          "(or args.deepspeed_config).")
     config, user_managed, options = prepare_engine_config(load_config(config))
+    if optimizer is None and "optimizer" not in config and zero_stage(config) in (1, 2):
+        # ZeRO-1/2 partition optimizer states and gradients; an inference-only engine has
+        # neither, so it is exactly a stage-0 engine (DeepSpeed refuses stage 1/2 without one).
+        logger.info("deepspeed_multi: no optimizer given for a ZeRO stage %d config: building an "
+                    "inference-only engine at stage 0.", zero_stage(config))
+        config["zero_optimization"]["stage"] = 0
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")

@@ -1,0 +1,221 @@
+"""Rank functions for test_api.py (importable by the spawned ranks)."""
+import copy
+import functools
+import os
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+import torch.nn as nn
+
+import deepspeed_multi
+from common import FP32_TOL, MLP, ds_config, full_params
+
+
+def _engine(stage, gas=1, trainable=True, seed=1, **extra):
+    model = MLP(seed=seed)
+    cfg = ds_config(stage, gas=gas, **extra)
+    if not trainable:
+        model.requires_grad_(False)
+        return deepspeed_multi.initialize(model=model, config=cfg)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return deepspeed_multi.initialize(model=model, optimizer=opt, config=cfg)[0]
+
+
+def _batch(step, rank=None):
+    rank = dist.get_rank() if rank is None else rank
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+def _train(engine, steps, start=0):
+    for step in range(start, start + steps):
+        x, y = _batch(step)
+        ((engine(x) - y)**2).mean().backward()
+        engine.step()
+
+
+def _assert_close(a, b, what):
+    err = max((a[n] - b[n]).abs().max().item() for n in a)
+    assert err <= FP32_TOL, f"{what}: max abs error {err:.3e}"
+
+
+def checkpoint_roundtrip(stage, path):
+    engine = _engine(stage)
+    _train(engine, 2)
+    engine.save_checkpoint(path, tag="t")
+    _train(engine, 2, start=2)
+    expected = full_params(engine)
+    other = _engine(stage, seed=7)
+    other.load_checkpoint(path, tag="t")
+    _train(other, 2, start=2)
+    _assert_close(full_params(other), expected, f"stage {stage} checkpoint round trip")
+
+
+def gathered_parameters_full_shape():
+    engine = _engine(3)
+    assert all(p.numel() == 0 or p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        shapes = [tuple(p.shape) for p in engine.module.parameters()]
+    assert shapes == [(16, 8), (16, ), (8, 16), (8, )], shapes
+
+
+def zero_init_mixed_stages():
+    cfg3, cfg2 = ds_config(3), ds_config(2)
+    with deepspeed_multi.zero_init(cfg3):
+        teacher = nn.Linear(8, 8)
+    with deepspeed_multi.zero_init(cfg2):
+        student = nn.Linear(8, 8)
+    assert hasattr(teacher.weight, "ds_id"), "stage-3 config must partition at construction"
+    assert not hasattr(student.weight, "ds_id"), "stage-2 config must build a plain module"
+    teacher.requires_grad_(False)
+    t_engine = deepspeed_multi.initialize(model=teacher, config=cfg3)[0]
+    s_engine = deepspeed_multi.initialize(model=student, optimizer=torch.optim.SGD(student.parameters(), lr=0.1),
+                                          config=cfg2)[0]
+    x, _ = _batch(0)
+    with torch.no_grad():
+        target = t_engine(x)
+    ((s_engine(x) - target)**2).mean().backward()
+    s_engine.step()
+
+
+def inference_only_input_grad(stage):
+    """A frozen engine (no optimizer) passes exact gradients to its inputs at every stage."""
+    engine = _engine(stage, trainable=False)
+    ref = MLP(seed=1)
+    x, y = _batch(0)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ((engine(x1) - y)**2).mean().backward()
+    ((ref(x2) - y)**2).mean().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, atol=FP32_TOL, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), ref(x), atol=FP32_TOL, rtol=0)
+    try:
+        engine.step()
+    except RuntimeError as e:
+        assert "inference-only" in str(e), str(e)
+    else:
+        raise AssertionError("step() on an engine without optimizer must refuse")
+
+
+def old_backward_api(stage):
+    """engine.backward(loss) keeps working and returns loss / gas, like DeepSpeed's."""
+    gas = 2
+    engine = _engine(stage, gas=gas)
+    ref = MLP(seed=1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    world = dist.get_world_size()
+    for step in range(4):
+        x, y = _batch(step)
+        loss = ((engine(x) - y)**2).mean()
+        returned = engine.backward(loss)
+        torch.testing.assert_close(returned, loss / gas)
+        assert engine.is_update_boundary() == (step % gas == gas - 1)
+        engine.step()
+        for r in range(world):
+            xr, yr = _batch(step, r)
+            (((ref(xr) - yr)**2).mean() / (gas * world)).backward()
+        if step % gas == gas - 1:
+            opt.step()
+            opt.zero_grad()
+    _assert_close(full_params(engine), dict(ref.named_parameters()), f"stage {stage} engine.backward")
+
+
+def no_sync_accumulates(stage):
+    engine = _engine(stage)
+    ref = MLP(seed=1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    world = dist.get_world_size()
+    for step in range(2):
+        x, y = _batch(step)
+        with engine.no_sync():
+            ((engine(x) - y)**2).mean().backward()
+        ((engine(2 * x) - y)**2).mean().backward()
+        engine.step()
+        for r in range(world):
+            xr, yr = _batch(step, r)
+            ((((ref(xr) - yr)**2).mean() + ((ref(2 * xr) - yr)**2).mean()) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    _assert_close(full_params(engine), dict(ref.named_parameters()), f"stage {stage} no_sync")
+
+
+def step_inside_backward_refused(stage):
+    """step() from a hook that runs while the engine's own backward is under way is refused."""
+    engine = _engine(stage)
+    x, y = _batch(0)
+    seen = []
+    handle = engine.module.fc1.weight.register_hook(lambda g: (_try_step(engine, seen), g)[1])
+    ((torch.tanh(engine(x)) - y)**2).mean().backward()
+    handle.remove()
+    assert seen and "while a backward pass is still producing" in seen[0], seen
+    engine.step()  # after backward returns, stepping is fine
+
+
+def _try_step(engine, seen):
+    try:
+        engine.step()
+    except RuntimeError as e:
+        seen.append(str(e))
+
+
+def ranks_disagree_refused(stage):
+    engine = _engine(stage)
+    x, y = _batch(0)
+    if dist.get_rank() == 0:
+        ((engine(x) - y)**2).mean().backward()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        assert "ranks disagree" in str(e), str(e)
+    else:
+        raise AssertionError("step() after a backward on some ranks only must refuse")
+
+
+def bad_config_refused():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for cfg, text in [(ds_config(1, zero_optimization={"overlap_comm": True}), "overlap_comm"),
+                      ({**ds_config(2), "deepspeed_multi": {"fused": True}}, "unknown option")]:
+        try:
+            deepspeed_multi.initialize(model=model, optimizer=opt, config=cfg)
+        except ValueError as e:
+            assert text in str(e), str(e)
+        else:
+            raise AssertionError(f"config with {text} must be refused")
+    engine = _engine(2)
+    x, y = _batch(0)
+    try:
+        engine.backward(((engine(x) - y)**2).mean(), scale_wrt_gas=False)
+    except ValueError as e:
+        assert "scale_wrt_gas" in str(e)
+    else:
+        raise AssertionError("scale_wrt_gas=False must be refused")
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    try:
+        deepspeed_multi.initialize(model=PipelineModule([LayerSpec(nn.Linear, 8, 8)], num_stages=1),
+                                   config=ds_config(0))
+    except NotImplementedError as e:
+        assert "pipeline" in str(e)
+    else:
+        raise AssertionError("PipelineModule must be refused")
+
+
+def fp16_overflow_skips_only_that_engine():
+    """An inf in fp16 engine A's gradients skips A's step (and halves its scale); B still steps."""
+    a = _engine(2, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    b = _engine(2, seed=2)
+    before_a, before_b = full_params(a), full_params(b)
+    scale = a._get_optimizer_loss_scale()
+    x, y = _batch(0)
+    h = a(x)
+    poison = torch.zeros_like(h)
+    poison[0, 0] = float("inf")
+    loss = ((b(h.detach()) - y)**2).mean() + (h * poison).sum()
+    loss.backward()
+    a.step()
+    b.step()
+    assert a.skipped_steps == 1 and a._get_optimizer_loss_scale() == scale / 2
+    _assert_close(full_params(a), before_a, "overflowed fp16 engine must not move")
+    moved = max((full_params(b)[n] - before_b[n]).abs().max().item() for n in before_b)
+    assert moved > 0, "the other engine must still step"

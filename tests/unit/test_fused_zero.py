@@ -1,0 +1,257 @@
+"""fused_zero.install: which optimizers it changes, the consecutive-view detection, and the fused
+ZeRO-3/ZeRO-2 passes against DeepSpeed's own methods (single process, no distributed init).
+
+The optimizers are built with ``object.__new__`` and only the attributes the methods read, so
+no process group is needed; the originals run on the same fakes as the oracle.
+"""
+import math
+import types
+
+import pytest
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from deepspeed_multi import fused_zero
+from deepspeed_multi.fused_zero import consecutive_runs, flat_run
+
+Z3_BUFFERS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+needs_sync_device = pytest.mark.skipif(not get_accelerator().is_synchronized_device(),
+                                       reason="the fakes hold CPU tensors; needs the CPU accelerator")
+
+
+@pytest.fixture(autouse=True)
+def _fused_on(monkeypatch):
+    monkeypatch.delenv(fused_zero.ENV, raising=False)
+
+
+# ------------------------------------------------------------------------------ fake optimizers
+def fake_z3(offload=False, zenflow=False):
+    opt = object.__new__(DeepSpeedZeroOptimizer_Stage3)
+    opt.offload_optimizer = offload
+    opt.swap_optimizer = False
+    opt.zenflow = zenflow
+    opt.micro_step_id = 0
+    opt.gradient_accumulation_dtype = torch.float32
+    opt._offload_boundary_param_ids = set()
+    setattr(opt, Z3_BUFFERS, {})
+    return opt
+
+
+def fake_z2(partition_gradients=True, cpu_offload=False, zenflow=False):
+    opt = object.__new__(DeepSpeedZeroOptimizer)
+    opt.partition_gradients = partition_gradients
+    opt.cpu_offload = cpu_offload
+    opt.zenflow = zenflow
+    opt.overlap_comm = False
+    opt.dp_process_group = None
+    return opt
+
+
+class FakeParam:
+    """What partition_grads reads of a ZeRO-3 parameter: ds_id, ds_numel, partition_numel(), grad."""
+
+    def __init__(self, ds_id, numel, world, rank):
+        self.ds_id, self.ds_numel, self._world, self._rank = ds_id, numel, world, rank
+        self.grad = torch.zeros(numel)
+
+    def partition_numel(self):
+        return math.ceil(self.ds_numel / self._world)
+
+
+def z3_case(numels, world, rank, dtype=torch.float32, gen=None):
+    """Params, their reduced partitions laid out as reduce_scatter_coalesced returns them
+    (narrow views of one flat buffer, padded per tensor), and a grad-partition buffer each."""
+    params = [FakeParam(i, n, world, rank) for i, n in enumerate(numels)]
+    padded = [p.partition_numel() for p in params]
+    flat = torch.randn(sum(padded), generator=gen).to(dtype)
+    parts, off = [], 0
+    for p, pad in zip(params, padded):
+        real = max(0, min(pad, p.ds_numel - rank * pad))
+        parts.append(flat.narrow(0, off, real))
+        off += pad
+    return params, parts
+
+
+def run_partition_grads(opt, params, parts, bufs, micro_step_id, method):
+    opt.micro_step_id = micro_step_id
+    opt._offload_boundary_param_ids = set()
+    setattr(opt, Z3_BUFFERS, bufs)
+    opt.gradient_accumulation_dtype = next(iter(bufs.values())).dtype
+    opt._get_param_partition_rank = lambda p: p._rank
+    for p in params:
+        p.grad = torch.zeros(p.ds_numel)
+    out = method(params, parts)
+    return out, set(opt._offload_boundary_param_ids), [p.grad for p in params]
+
+
+# ------------------------------------------------------------------------------------- install
+def test_install_z3_binds_partition_grads_only():
+    opt = fake_z3()
+    assert fused_zero.install(opt) is True
+    assert isinstance(opt.partition_grads, types.MethodType)
+    assert opt.partition_grads.__func__ is fused_zero._z3_partition_grads
+    assert set(vars(opt)) >= {"partition_grads", "_dsm_fused_zero"}
+    assert "allreduce_and_copy_with_multiple_ranks" not in vars(opt)
+    assert fused_zero.install(opt) is False  # idempotent: a second call changes nothing
+
+
+def test_install_z2_binds_allreduce_and_copy_only():
+    opt = fake_z2()
+    assert fused_zero.install(opt) is True
+    assert opt.allreduce_and_copy_with_multiple_ranks.__func__ is fused_zero._z2_allreduce_and_copy_with_multiple_ranks
+    assert "partition_grads" not in vars(opt)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fake_z3(offload=True),
+    lambda: fake_z3(zenflow=True),
+    lambda: fake_z2(partition_gradients=False),  # ZeRO stage 1
+    lambda: fake_z2(cpu_offload=True),
+    lambda: fake_z2(zenflow=True),
+    lambda: torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
+    lambda: object(),
+],
+                         ids=["z3-offload", "z3-zenflow", "stage1", "z2-offload", "z2-zenflow", "torch-sgd", "object"])
+def test_install_refuses_unsupported(make):
+    opt = make()
+    before = dict(vars(opt)) if hasattr(opt, "__dict__") else None
+    assert fused_zero.install(opt) is False
+    if before is not None:
+        assert dict(vars(opt)) == before
+
+
+def test_install_refuses_subclass_override():
+
+    class Custom(DeepSpeedZeroOptimizer_Stage3):
+
+        def partition_grads(self, params_to_release, grad_partitions):
+            return []
+
+    opt = object.__new__(Custom)
+    vars(opt).update(vars(fake_z3()))
+    assert fused_zero.install(opt) is False
+    assert "partition_grads" not in vars(opt)
+
+
+def test_env_switch_disables(monkeypatch):
+    monkeypatch.setenv(fused_zero.ENV, "0")
+    opt = fake_z3()
+    assert fused_zero.install(opt) is False
+    assert "partition_grads" not in vars(opt)
+
+
+# --------------------------------------------------------------------------- consecutive_runs
+def test_runs_of_consecutive_views():
+    flat = torch.arange(20.)
+    views = [flat[0:3], flat[3:7], flat[7:7], flat[7:12]]
+    assert consecutive_runs(views) == [(0, 4)]
+    run = flat_run(views)
+    assert run.data_ptr() == flat.data_ptr() and run.numel() == 12 and run.is_contiguous()
+    torch.testing.assert_close(run, flat[:12])
+
+
+def test_runs_split_on_gap_storage_and_dtype():
+    flat = torch.arange(20.)
+    other = torch.arange(20.)
+    views = [flat[0:3], flat[4:6], flat[6:8], other[8:10], other[10:12].to(torch.bfloat16), flat[12:13]]
+    assert consecutive_runs(views) == [(0, 1), (1, 3), (3, 4), (4, 5), (5, 6)]
+    torch.testing.assert_close(flat_run(views[1:3]), flat[4:8])
+
+
+def test_runs_separate_tensors_and_refusals():
+    assert consecutive_runs([torch.zeros(3), torch.zeros(3)]) == [(0, 1), (1, 2)]
+    assert consecutive_runs([]) == []
+    assert consecutive_runs([torch.zeros(4, 4).t()]) is None  # non-contiguous
+    assert consecutive_runs([torch.zeros(3, dtype=torch.float64)]) is None  # dtype the ops do not take
+
+
+def test_runs_views_of_2d_rows():
+    m = torch.zeros(4, 5)
+    assert consecutive_runs([m[0], m[1], m[3]]) == [(0, 2), (2, 3)]
+
+
+# ---------------------------------------------------------------- ZeRO-3 fused vs the original
+@needs_sync_device
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 3)])
+@pytest.mark.parametrize("dtype,buf_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_z3_partition_grads_matches_original(world, rank, dtype, buf_dtype):
+    gen = torch.Generator().manual_seed(world * 10 + rank)
+    numels = [8, 7, 3, 64, 1, 10, 2, 33]  # odd sizes leave padding gaps and empty last partitions
+    params, parts = z3_case(numels, world, rank, dtype, gen)
+    init = {p.ds_id: torch.randn(p.partition_numel(), generator=gen).to(buf_dtype) for p in params}
+
+    fused = fake_z3()
+    assert fused_zero.install(fused)
+    plain = fake_z3()
+    for step in (0, 1, 2):
+        bufs_f = {k: v.clone() for k, v in init.items()}
+        bufs_o = {k: v.clone() for k, v in init.items()}
+        out_f, ids_f, grads_f = run_partition_grads(fused, params, parts, bufs_f, step, fused.partition_grads)
+        out_o, ids_o, grads_o = run_partition_grads(plain, params, parts, bufs_o, step,
+                                                    types.MethodType(DeepSpeedZeroOptimizer_Stage3.partition_grads,
+                                                                     plain))
+        assert ids_f == ids_o
+        assert all(g is None for g in grads_f) and all(g is None for g in grads_o)
+        assert len(out_f) == len(out_o)
+        for a, b in zip(out_f, out_o):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for k in init:
+            torch.testing.assert_close(bufs_f[k], bufs_o[k], rtol=0, atol=0)
+
+
+@needs_sync_device
+def test_z3_falls_back_for_separate_partitions():
+    params, _ = z3_case([4, 6, 8], 2, 0)
+    parts = [torch.randn(p.partition_numel()) for p in params]  # separate tensors: no run to fuse
+    opt = fake_z3()
+    assert fused_zero.install(opt)
+    calls = []
+    original = opt._dsm_fused_zero["partition_grads"]
+    opt._dsm_fused_zero["partition_grads"] = lambda *a: calls.append(a) or original(*a)
+    bufs = {p.ds_id: torch.zeros(p.partition_numel()) for p in params}
+    run_partition_grads(opt, params, parts, bufs, 0, opt.partition_grads)
+    assert len(calls) == 1
+    for p, g in zip(params, parts):
+        torch.testing.assert_close(bufs[p.ds_id], g)
+
+
+# ---------------------------------------------------------------- ZeRO-2 fused vs the original
+@needs_sync_device
+@pytest.mark.parametrize("with_outputs", [False, True])
+def test_z2_allreduce_and_copy_matches_original(monkeypatch, with_outputs):
+    import deepspeed.comm as dist
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    gen = torch.Generator().manual_seed(0)
+    ipg = torch.randn(40, generator=gen).to(torch.bfloat16)
+    sizes = [5, 3, 8, 4, 6, 2, 12]
+    ranks = [0, 1, 1, 0, 1, frozenset({0, 1}), 1]
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def run(method_of):
+        bucket_buf = ipg.clone()
+        small = [bucket_buf.narrow(0, o, n) for o, n in zip(offs, sizes)]
+        flat_part = torch.randn(80, generator=torch.Generator().manual_seed(1))
+        outputs = [flat_part.narrow(0, 2 * o, n) if with_outputs and i != 2 else None
+                   for i, (o, n) in enumerate(zip(offs, sizes))] if with_outputs else None
+        opt = fake_z2()
+        # Stands in for the collective: "reduce" = times 3, in the communication dtype.
+        opt.allreduce_bucket = lambda bucket, dt, log=None, divide=True, process_group=None: (
+            torch.cat([t.reshape(-1) for t in bucket]).to(dt) * 3)
+        opt.unflatten = lambda flat, tensors: [t for t in flat.split([x.numel() for x in tensors])]
+        method = method_of(opt)
+        method(small, torch.float32, divide=False, bucket_ranks=ranks, output_bucket=outputs)
+        return bucket_buf, flat_part
+
+    def fused(opt):
+        assert fused_zero.install(opt)
+        return opt.allreduce_and_copy_with_multiple_ranks
+
+    got = run(fused)
+    want = run(lambda opt: types.MethodType(DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks, opt))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
