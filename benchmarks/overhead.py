@@ -1,0 +1,139 @@
+"""Overhead of deepspeed_multi on the single-engine path it replaces.
+
+The same model (a few transformer blocks) is trained twice, side by side in the same ranks:
+
+* upstream: ``deepspeed.initialize`` + ``engine.backward(loss)`` + ``engine.step()``
+* ours:     ``deepspeed_multi.initialize`` + plain ``loss.backward()`` + ``engine.step()``
+
+for ZeRO stages 1/2/3 in fp32 and bf16. Steps are interleaved (the order alternates every
+step), timed as fwd+bwd+step, median over the timed steps. Peak memory of each variant is
+measured alone in fresh processes (see [Note: how time and memory are measured] in _bench).
+
+Prints a table and ``RESULT overhead_ratio_z1=.. overhead_ratio_z2=.. overhead_ratio_z3=..``
+(ours / upstream step time, fp32; goal <= 1.00 within noise), writes
+benchmarks/results/overhead.json and overhead.png.
+
+Usage: python benchmarks/overhead.py [--steps 15] [--warmup 4] [--no-memory] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import _bench as B
+
+D, LAYERS, SEQ, MICRO_BS = 256, 3, 32, 8
+
+
+def _make(initialize, stage, dtype, model):
+    return B.build_engine(initialize, model, B.ds_config(stage, dtype, micro_bs=MICRO_BS))
+
+
+def _batch(i, dev):
+    import torch
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randn(MICRO_BS, SEQ, D, generator=g)
+    return x.to(dev), torch.randn(MICRO_BS, SEQ, D, generator=g).to(dev)
+
+
+def _step_fn(kind, engine):
+    dev = B.device()
+
+    def step(i):
+        x, y = _batch(i, dev)
+        loss = ((engine(x) - y)**2).mean()
+        if kind == "upstream":
+            engine.backward(loss)
+        else:
+            loss.backward()
+        engine.step()
+
+    return step
+
+
+def timing(configs, warmup, steps):
+    """All (stage, dtype) configs in one pair of processes, one config at a time."""
+    import gc
+
+    import deepspeed
+    import deepspeed_multi
+    out = {}
+    for stage, dtype in configs:
+        model = B.Tower(D, D, LAYERS, D, seed=1)
+        engines = {"upstream": _make(deepspeed.initialize, stage, dtype, copy.deepcopy(model)),
+                   "ours": _make(deepspeed_multi.initialize, stage, dtype, copy.deepcopy(model))}
+        t = B.interleave({k: _step_fn(k, e) for k, e in engines.items()}, warmup, steps)
+        out[(stage, dtype)] = {k: v["total"] for k, v in t.items()}
+        engines.clear()
+        gc.collect()
+    return out
+
+
+def memory(kind, stage, dtype, steps):
+    import deepspeed
+    import deepspeed_multi
+    mem = B.PeakMemory()
+    init = deepspeed.initialize if kind == "upstream" else deepspeed_multi.initialize
+    engine = _make(init, stage, dtype, B.Tower(D, D, LAYERS, D, seed=1))
+    step = _step_fn(kind, engine)
+    for i in range(steps):
+        step(i)
+    return mem.peak_mb()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-bf16", action="store_true", help="also measure bf16 memory (6 more launches)")
+    ap.add_argument("--quick", action="store_true", help="fp32 only, fewer steps")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 6, 2
+    dtypes = ["fp32"] if args.quick else ["fp32", "bf16"]
+    rows, data = [], []
+    configs = [(stage, dtype) for dtype in dtypes for stage in (1, 2, 3)]
+    timings = B.launch(timing, configs, args.warmup, args.steps)[0]
+    for stage, dtype in configs:
+            t = timings[(stage, dtype)]
+            up, ours = B.median(t["upstream"]), B.median(t["ours"])
+            rec = {"stage": stage, "dtype": dtype, "upstream_ms": up, "ours_ms": ours, "ratio": ours / up,
+                   "upstream_iqr_ms": B.iqr(t["upstream"]), "ours_iqr_ms": B.iqr(t["ours"]), "raw_ms": t}
+            if not args.no_memory and (dtype == "fp32" or args.memory_bf16):
+                rec["upstream_mem_mb"] = B.launch(memory, "upstream", stage, dtype, 2)[0]
+                rec["ours_mem_mb"] = B.launch(memory, "ours", stage, dtype, 2)[0]
+                rec["mem_ratio"] = rec["ours_mem_mb"] / rec["upstream_mem_mb"]
+            data.append(rec)
+            mem = ([f"{rec['upstream_mem_mb']:.1f}", f"{rec['ours_mem_mb']:.1f}", f"{rec['mem_ratio']:.3f}"]
+                   if "mem_ratio" in rec else ["-", "-", "-"])
+            rows.append([f"ZeRO-{stage}", dtype, f"{up:.1f} ±{rec['upstream_iqr_ms']:.1f}",
+                         f"{ours:.1f} ±{rec['ours_iqr_ms']:.1f}", f"{ours / up:.3f}", *mem])
+            print(f"  done ZeRO-{stage} {dtype}: upstream {up:.1f} ms, ours {ours:.1f} ms", flush=True)
+    headers = ["stage", "dtype", "upstream ms (IQR)", "ours ms (IQR)", "time ours/up", "upstream peak MiB",
+               "ours peak MiB", "mem ours/up"]
+    table = B.fmt_table(headers, rows)
+    model = B.Tower(D, D, LAYERS, D)
+    print(f"\nOverhead: one engine, {LAYERS} blocks d={D} ({B.n_params(model) / 1e6:.2f}M params), micro-batch "
+          f"{MICRO_BS}x{SEQ}, 2 ranks, median of {args.steps} steps after {args.warmup} warm-up; "
+          f"memory = {B.memory_kind()}\n")
+    print(table)
+    fp32 = {r["stage"]: r["ratio"] for r in data if r["dtype"] == "fp32"}
+    result = "RESULT " + " ".join(f"overhead_ratio_z{s}={fp32[s]:.3f}" for s in (1, 2, 3))
+    if not args.quick:
+        bf = {r["stage"]: r["ratio"] for r in data if r["dtype"] == "bf16"}
+        result += " " + " ".join(f"overhead_ratio_z{s}_bf16={bf[s]:.3f}" for s in (1, 2, 3))
+
+    def plot(plt):
+        groups = [f"Z{r['stage']} {r['dtype']}" for r in data]
+        return B.bar_plot(plt, "Step time: upstream engine.backward vs deepspeed_multi loss.backward", groups,
+                          {"upstream": [r["upstream_ms"] for r in data], "ours": [r["ours_ms"] for r in data]},
+                          "ms / step (median)")
+
+    B.save("overhead", {"meta": B.meta(model_params=B.n_params(model), steps=args.steps, warmup=args.warmup),
+                        "rows": data, "table": table, "result": result}, plot)
+    print(result)
+
+
+if __name__ == "__main__":
+    main()
