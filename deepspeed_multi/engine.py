@@ -44,13 +44,11 @@ class MultiEngine(DeepSpeedEngine):
             # The epilogue runs from our own graph-task callback (see _boundary).
             self.optimizer.unregister_grad_acc_post_hooks()
         self._state = TrainingState.IDLE
-        self._backward_task_id = None
         # Micro-steps since the last update. DeepSpeed runs unmanaged (every super().step()
         # updates); this engine keeps DeepSpeed's managed meaning of gradient_accumulation_steps
         # unless the user configured managed_gradient_accumulation=false.
         self._user_managed_boundary = user_managed_boundary
         self._window_micro_steps = 0
-        self.overflow_group = None
         self._window_backwards = 0
         # One tiny all-reduce per update; DSM_CHECK_RANK_AGREEMENT=0 turns it off.
         self.check_rank_agreement = os.environ.get("DSM_CHECK_RANK_AGREEMENT", "1") != "0"
@@ -114,7 +112,6 @@ class MultiEngine(DeepSpeedEngine):
             # e.g. torch.autograd.grad(loss, inputs) or a backward that stops above the params.
             return
         self._state = TrainingState.IN_BACKWARD
-        self._backward_task_id = torch._C._current_graph_task_id()
         self._window_backwards += 1
         if isinstance(self.optimizer, ZeROOptimizer):
             self.optimizer.clear_backward_seen_flag()
@@ -127,10 +124,8 @@ class MultiEngine(DeepSpeedEngine):
         """End of the graph task: bucket flush, reduction, fp32 accumulation."""
         try:
             DeepSpeedEngine._backward_epilogue(self)
-            zero_buffers.after_backward(self.optimizer)
         finally:
             self._state = TrainingState.GRADS_READY
-            self._backward_task_id = None
 
     def _recover_from_failed_backward(self):
         if self._state is TrainingState.IN_BACKWARD and not _in_backward():
@@ -218,10 +213,7 @@ class MultiEngine(DeepSpeedEngine):
         if self.trains and self.check_rank_agreement:
             self._check_ranks_agree()
         self._window_backwards = 0
-        if self.overflow_group is not None:
-            self.overflow_group.before_step(self)
         super().step(lr_kwargs)
-        zero_buffers.after_step(self.optimizer)
         self._state = TrainingState.IDLE
 
     def zero_grad(self):
@@ -232,4 +224,3 @@ class MultiEngine(DeepSpeedEngine):
         zero_buffers.discard(self.optimizer)
         self._window_backwards = 0
         self._state = TrainingState.IDLE
-        self._backward_task_id = None

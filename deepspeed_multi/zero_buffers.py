@@ -1,19 +1,13 @@
 """Where each ZeRO stage keeps gradients between backward passes, and how to discard them.
 
+Used by MultiEngine.zero_grad(); the update itself consumes and resets them in DeepSpeed's step().
+
 DeepSpeed reduces gradients during or right after each backward and accumulates the reduced
 result in optimizer-owned buffers; ``param.grad`` alone does not hold them. MultiEngine needs
 PyTorch's meaning: every backward accumulates, ``zero_grad()`` discards, ``step()`` consumes.
 """
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-
-def after_backward(optimizer) -> None:
-    """Called after each backward epilogue."""
-
-
-def after_step(optimizer) -> None:
-    """Called after each optimizer update."""
 
 
 def discard(optimizer) -> None:
