@@ -8,7 +8,8 @@ when enough GPUs are visible, else gloo on CPU (``DS_ACCELERATOR=cpu``, 1 thread
 * Time: every variant of a benchmark is built side by side in ONE pair of processes and the
   variants are stepped interleaved (the order rotates every step), so machine noise hits all of
   them alike. A step is timed from a barrier to the end of ``step()``; the per-step time is the
-  max over ranks; tables report the median over the timed steps (after warm-up).
+  max over ranks; tables report the median over the timed steps (after warm-up), and ratios
+  are the median of per-step paired ratios (``paired_ratio``).
 * Memory: each variant runs alone in a FRESH pair of processes (peaks of variants sharing a
   process cannot be separated). On GPU: ``torch.cuda.max_memory_allocated`` (live tensors,
   model states included). On CPU there are no allocator statistics, so it is the process's
@@ -266,6 +267,12 @@ class PhaseTimer:
 
 def median(xs):
     return statistics.median(xs)
+
+
+def paired_ratio(ours, base):
+    """Median over steps of ours[i] / base[i]: the two ran back to back in iteration i, so slow
+    drifts of a shared machine cancel. This is the ratio the tables and RESULT lines report."""
+    return statistics.median(a / b for a, b in zip(ours, base))
 
 
 def iqr(xs):

@@ -106,20 +106,20 @@ def main():
     rows = []
     for p in PHASES + ["total"]:
         up, ours = med["upstream"][p], med["ours"][p]
-        rows.append([p, f"{up:.1f}", f"{ours:.1f}", f"{ours / up:.3f}" if up > 0 else "-"])
+        rows.append([p, f"{up:.1f}", f"{ours:.1f}", f"{B.paired_ratio(t['ours'][p], t['upstream'][p]):.3f}"])
     if mem:
         rows.append(["peak MiB/rank", f"{mem['upstream']:.1f}", f"{mem['ours']:.1f}",
                      f"{mem['ours'] / mem['upstream']:.3f}"])
     table = B.fmt_table(["phase (ms, median)", "upstream (2 backward calls)", "ours (1 loss.backward)",
-                         "ours/upstream"], rows)
+                         "ours/upstream (paired)"], rows)
     models = _models()
     sizes = ", ".join(f"{k} {B.n_params(m) / 1e6:.2f}M" for k, m in models.items())
     print(f"\nRLHF step, 4 engines (actor Z2, critic Z3, reference Z3 frozen, reward Z3 frozen; {sizes}), "
           f"micro-batch {MICRO_BS}x{SEQ}, 2 ranks, median of {args.steps} steps after {args.warmup} warm-up "
           f"(phase medians need not add up to the total median); memory = {B.memory_kind()}\n")
     print(table)
-    result = (f"RESULT rlhf_ours_vs_upstream={med['ours']['total'] / med['upstream']['total']:.3f} "
-              f"rlhf_backward_ours_vs_upstream={med['ours']['backward'] / med['upstream']['backward']:.3f}")
+    result = (f"RESULT rlhf_ours_vs_upstream={B.paired_ratio(t['ours']['total'], t['upstream']['total']):.3f} "
+              f"rlhf_backward_ours_vs_upstream={B.paired_ratio(t['ours']['backward'], t['upstream']['backward']):.3f}")
     if mem:
         result += f" mem_rlhf_ours_vs_upstream={mem['ours'] / mem['upstream']:.3f}"
 

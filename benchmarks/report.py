@@ -1,0 +1,58 @@
+"""Write benchmarks/PERFORMANCE.md from benchmarks/results/*.json (run by benchmarks/run_all.sh).
+
+The tables and RESULT lines come from the last run; the analysis text comes from
+benchmarks/performance_notes.md (hand-written, kept as is).
+"""
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SECTIONS = [
+    ("overhead", "Overhead on the single-engine path",
+     "One engine, the same model: upstream `deepspeed.initialize` + `engine.backward(loss)` versus "
+     "`deepspeed_multi.initialize` + `loss.backward()`, interleaved step by step in the same ranks."),
+    ("two_engines", "Two engines under one loss vs the super-module workaround",
+     "Encoder (ZeRO-2) -> LLM (ZeRO-3) as two `deepspeed_multi` engines and one `loss.backward()`, versus both "
+     "wrapped in one `nn.Module` in one upstream ZeRO-3 engine."),
+    ("distillation", "Distillation: ZeRO-2 student + frozen ZeRO-3 teacher",
+     "Teacher forward under `torch.no_grad()`; the same layouts with upstream engines as baseline, and both "
+     "models at ZeRO-3."),
+    ("rlhf_step", "RLHF step through four engines",
+     "Actor (Z2) and critic (Z3) trained, reference and reward (Z3) frozen; the actor's output goes through the "
+     "reward model with grad. Ours: one `loss.backward()`; upstream: `actor.backward` + `critic.backward`."),
+]
+
+
+def main():
+    out = ["# Performance", "",
+           "Regenerate everything below (tables, JSON and PNG plots under `benchmarks/results/`) with "
+           "`make bench`, i.e. `benchmarks/run_all.sh`. Each script also runs alone: "
+           "`python benchmarks/<name>.py --help`. Timings are never asserted on.", ""]
+    meta = None
+    for name, title, blurb in SECTIONS:
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        header = (RESULTS / f"{name}.txt").read_text() if (RESULTS / f"{name}.txt").exists() else ""
+        setup = next((line for line in header.splitlines() if line.strip() and not line.startswith(("|", "  done",
+                                                                                                        "wrote", "RESULT"))), "")
+        out += [f"## {title}", "", blurb, "", f"_{setup.strip()}_" if setup else "", "", data["table"], "",
+                f"`{data['result']}`", ""]
+        if (RESULTS / f"{name}.png").exists():
+            out += [f"![{name}](results/{name}.png)", ""]
+    if meta:
+        out += ["## Machine of the last run", "",
+                ", ".join(f"{k}: {v}" for k, v in meta.items() if k in ("torch", "deepspeed", "python", "machine",
+                                                                         "cpus", "gpu", "memory", "time")), ""]
+    notes = HERE / "performance_notes.md"
+    if notes.exists():
+        out += [notes.read_text().rstrip(), ""]
+    (HERE / "PERFORMANCE.md").write_text("\n".join(out))
+    print(f"wrote {HERE.relative_to(HERE.parent) / 'PERFORMANCE.md'}")
+
+
+if __name__ == "__main__":
+    main()
