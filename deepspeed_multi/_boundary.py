@@ -56,20 +56,18 @@ class _OutputBoundary(torch.autograd.Function):
     """Identity on an engine's outputs; in backward, starts the engine's backward and scales in."""
 
     @staticmethod
-    def forward(ctx, engine, *outputs):
-        ctx.engine = engine
-        ctx.backward_calls = 0
+    def forward(ctx, engine, forward_record, *outputs):
+        ctx.engine, ctx.forward_record = engine, forward_record
         ctx.set_materialize_grads(False)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         engine = ctx.engine
-        ctx.backward_calls += 1
-        engine._check_backward_supported(second_pass=ctx.backward_calls > 1, create_graph=torch.is_grad_enabled())
+        engine._before_output_backward(ctx.forward_record, create_graph=torch.is_grad_enabled())
         engine._pre_backward()
         factor = engine.grad_scale_factor()
-        return (None, *(_scale(engine, g, factor) for g in grads))
+        return (None, None, *(_scale(engine, g, factor) for g in grads))
 
 
 class _InputBoundary(torch.autograd.Function):
@@ -88,7 +86,7 @@ class _InputBoundary(torch.autograd.Function):
         return (None, *(_scale(engine, g, 1.0 / factor) for g in grads))
 
 
-def _apply_boundary(fn, engine, tree):
+def _apply_boundary(fn, engine, tree, *extra):
     """Pass every tensor of ``tree`` that requires grad through ``fn`` as one autograd node."""
     if not torch.is_grad_enabled():
         return tree
@@ -102,7 +100,7 @@ def _apply_boundary(fn, engine, tree):
     tree_map(collect, tree)
     if not tensors:
         return tree
-    replaced = dict(zip(map(id, tensors), fn.apply(engine, *tensors)))
+    replaced = dict(zip(map(id, tensors), fn.apply(engine, *extra, *tensors)))
     return tree_map(lambda t: replaced.get(id(t), t), tree)
 
 
@@ -110,5 +108,6 @@ def wrap_inputs(engine, inputs, kwargs):
     return _apply_boundary(_InputBoundary, engine, (inputs, kwargs))
 
 
-def wrap_outputs(engine, outputs):
-    return _apply_boundary(_OutputBoundary, engine, outputs)
+def wrap_outputs(engine, outputs, forward_record=None):
+    """``forward_record`` is handed back to ``engine._before_output_backward`` on every backward."""
+    return _apply_boundary(_OutputBoundary, engine, outputs, forward_record)

@@ -14,7 +14,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import count_used_parameters_in_backward
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from . import fused_zero, grad_scale, zero_buffers
+from . import fused_zero, grad_scale, zero3_counters, zero_buffers
 from ._boundary import wrap_inputs, wrap_outputs
 from ._state import TrainingState
 from .config import MultiOptions
@@ -24,6 +24,15 @@ logger = logging.getLogger(__name__)
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+class _ForwardRecord:
+    """Handed from one forward to the backward passes through its outputs."""
+    __slots__ = ("backward_calls", "zero3_armed")
+
+    def __init__(self, zero3_armed=None):
+        self.backward_calls = 0
+        self.zero3_armed = zero3_armed or {}
 
 
 class MultiEngine(DeepSpeedEngine):
@@ -60,7 +69,11 @@ class MultiEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         self._recover_from_failed_backward()
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
-        return wrap_outputs(self, super().forward(*inputs, **kwargs))
+        if self.zero_optimization_stage() != 3 or not torch.is_grad_enabled():
+            return wrap_outputs(self, super().forward(*inputs, **kwargs), _ForwardRecord())
+        before = zero3_counters.snapshot(self.module)
+        outputs = super().forward(*inputs, **kwargs)
+        return wrap_outputs(self, outputs, _ForwardRecord(zero3_counters.armed_by_forward(before, self.module)))
 
     # DeepSpeed's own output hooks (registered by DeepSpeedEngine.forward) call these two;
     # the boundary nodes replace them, so they do nothing here.
@@ -84,16 +97,13 @@ class MultiEngine(DeepSpeedEngine):
     def grad_scale_factor(self) -> float:
         return grad_scale.factor(self)
 
-    def _check_backward_supported(self, second_pass: bool, create_graph: bool):
-        """ZeRO-3 gathers partitioned parameters for backward once per forward; refuse what needs more."""
+    def _before_output_backward(self, record, create_graph: bool):
+        """A gradient reached the outputs of one forward: re-arm ZeRO-3 for a repeated backward."""
+        record.backward_calls += 1
         if self.zero_optimization_stage() != 3:
             return
-        if second_pass:
-            raise RuntimeError(
-                f"MultiEngine ({self._engine_name()}, ZeRO stage 3): a second backward through the same forward "
-                "(retain_graph=True) is not supported; ZeRO-3 gathers this engine's partitioned parameters for "
-                "backward once per forward. Run the forward again before each backward, or use ZeRO stage <= 2 "
-                "for this engine.")
+        if record.backward_calls > 1:
+            zero3_counters.rearm(record.zero3_armed)
         if create_graph:
             raise RuntimeError(
                 f"MultiEngine ({self._engine_name()}, ZeRO stage 3): backward with create_graph=True (double "

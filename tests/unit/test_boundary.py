@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from deepspeed_multi._boundary import wrap_inputs, wrap_outputs
+from deepspeed_multi.engine import _ForwardRecord
 
 
 class FakeEngine:
@@ -19,12 +20,13 @@ class FakeEngine:
     def _pre_backward(self):
         self.prologues += 1
 
-    def _check_backward_supported(self, second_pass, create_graph):
-        self.checks.append((second_pass, create_graph))
+    def _before_output_backward(self, record, create_graph):
+        record.backward_calls += 1
+        self.checks.append((record.backward_calls > 1, create_graph))
 
     def __call__(self, x):
         (x, ), _ = wrap_inputs(self, (x, ), {})
-        return wrap_outputs(self, {"y": torch.tanh(x * self.weight), "n": 1})
+        return wrap_outputs(self, {"y": torch.tanh(x * self.weight), "n": 1}, _ForwardRecord())
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.25, 1024.0])
