@@ -1,0 +1,135 @@
+"""End-to-end effect of fused_zero: ZeRO-2 and ZeRO-3 training steps with the fused passes on vs off.
+
+Per stage, two engines are built side by side in the same processes (identical models; one with
+``{"deepspeed_multi": {"fused_reduce": true}}``, one with false) and stepped interleaved
+(forward + backward + step, gradient_accumulation_steps micro-steps per sample), so both see
+the same machine state. The model has many small parameters (default 200 Linear(64, 64)),
+where per-parameter tensor ops dominate the bucket passes. Medians over the timed samples.
+
+    python benchmarks/fused_reduce_e2e.py [--layers 200] [--dim 64] [--steps 20] [--gas 2]
+
+2 processes (torch.multiprocessing spawn, gloo on CPU; NCCL with one GPU per rank if available).
+Prints a table and ``RESULT e2e_z2=<off/on> e2e_z3=<off/on>`` (speedups: > 1 means fused is faster).
+"""
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _config(stage, fused, gas, bucket):
+    return {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                              "stage3_prefetch_bucket_size": bucket},
+        "deepspeed_multi": {"fused_reduce": fused},
+    }
+
+
+def _worker(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
+    os.environ.pop("DSM_FUSED_ZERO", None)
+    torch.set_num_threads(args.threads)
+    import deepspeed
+    import deepspeed.comm as dist
+
+    import deepspeed_multi
+    from deepspeed_multi import ops
+    if gpu:
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    results = {}
+    for stage in args.stages:
+        engines = {}
+        for fused in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
+            eng, opt, _, _ = deepspeed_multi.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=_config(stage, fused, args.gas, args.bucket))
+            engines[fused] = eng
+            installed = "_dsm_fused_zero" in vars(opt)
+            assert installed == fused, f"stage {stage}: fused={fused} but installed={installed}"
+        times = {False: [], True: []}
+        x = torch.randn(8, args.dim, device=device)
+        for it in range(args.warmup + args.steps):
+            order = (False, True) if it % 2 == 0 else (True, False)
+            for fused in order:
+                eng = engines[fused]
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(args.gas):
+                    eng(x).pow(2).mean().backward()
+                eng.step()
+                sync()
+                dt = time.perf_counter() - t0
+                if it >= args.warmup:
+                    times[fused].append(dt)
+        # The two engines must have followed the same trajectory.
+        p_off = torch.cat([p.ds_tensor.flatten() if hasattr(p, "ds_tensor") else p.flatten()
+                           for p in engines[False].module.parameters()])
+        p_on = torch.cat([p.ds_tensor.flatten() if hasattr(p, "ds_tensor") else p.flatten()
+                          for p in engines[True].module.parameters()])
+        max_diff = (p_off.float() - p_on.float()).abs().max().item()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        t = torch.tensor([med[False], med[True]], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+        results[stage] = (t[0].item(), t[1].item(), max_diff)
+        for eng in engines.values():
+            eng.destroy()
+        del engines
+    if rank == 0:
+        queue.put((results, ops.active_backend(), "cuda" if gpu else "cpu"))
+    dist.barrier()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=200)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--gas", type=int, default=2, help="micro-steps per optimizer step")
+    ap.add_argument("--bucket", type=int, default=int(5e8), help="reduce/allgather/prefetch bucket size")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    args = ap.parse_args()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_worker, args=(args.world, port, args, queue), nprocs=args.world, join=True)
+    results, backend, device = queue.get()
+
+    print(f"\nfused_zero end to end: {args.layers} x Linear({args.dim}, {args.dim}), {args.world} ranks on {device}, "
+          f"gas={args.gas}, bucket={args.bucket}, backend={backend}, median of {args.steps} steps")
+    print(f"{'stage':>6} {'off ms':>10} {'on ms':>10} {'off/on':>8} {'max |dw|':>10}")
+    for stage, (off, on, diff) in sorted(results.items()):
+        print(f"{'ZeRO-' + str(stage):>6} {off * 1e3:10.2f} {on * 1e3:10.2f} {off / on:8.3f} {diff:10.2e}")
+    fields = " ".join(f"e2e_z{stage}={off / on:.3f}" for stage, (off, on, _) in sorted(results.items()))
+    print(f"RESULT {fields}")
+
+
+if __name__ == "__main__":
+    main()
