@@ -1,6 +1,7 @@
 """Reading a DeepSpeed config the way deepspeed.initialize does, and our own keys."""
 import copy
 from dataclasses import dataclass, fields
+from typing import Optional
 
 from deepspeed.runtime.config import DeepSpeedConfigError  # noqa: F401 (re-exported for callers)
 from deepspeed.runtime.constants import MANAGED_GRADIENT_ACCUMULATION
@@ -51,8 +52,11 @@ class MultiOptions:
 
     fused_reduce: use the fused gradient-bucket ops (deepspeed_multi.ops) in the ZeRO-2/3
         reduction path; the pure-PyTorch reference runs where no compiler is available.
+    skip_group: engines with the same name skip their updates together when any of them has
+        non-finite gradients (see skip_group.py).
     """
     fused_reduce: bool = True
+    skip_group: Optional[str] = None
 
     @classmethod
     def from_config(cls, config: dict) -> "MultiOptions":

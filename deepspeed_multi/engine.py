@@ -18,6 +18,7 @@ from . import fused_zero, grad_scale, zero3_counters, zero_buffers
 from ._boundary import wrap_inputs, wrap_outputs
 from ._state import TrainingState
 from .config import MultiOptions
+from .skip_group import SkipGroup
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class MultiEngine(DeepSpeedEngine):
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
         if self.options.fused_reduce:
             fused_zero.install(self.optimizer)
+        self.skip_group = None
+        if self.options.skip_group is not None and self.trains:
+            self.skip_group = SkipGroup.named(self.options.skip_group)
+            self.skip_group.add(self)
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
@@ -223,8 +228,26 @@ class MultiEngine(DeepSpeedEngine):
         if self.trains and self.check_rank_agreement:
             self._check_ranks_agree()
         self._window_backwards = 0
+        if self.skip_group is not None:
+            skip = self.skip_group.should_skip(self)
+            self._updates_done += 1
+            self._nonfinite.zero_()
+            if skip:
+                self._skip_update()
+                return
         super().step(lr_kwargs)
         self._state = TrainingState.IDLE
+
+    def _skip_update(self):
+        """Drop this window's gradients without updating, as DeepSpeed does on an fp16 overflow."""
+        if self.fp16_enabled():
+            self.optimizer._update_scale(True)
+        self.zero_grad()
+        self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+        self._step_applied = False
 
     def zero_grad(self):
         """Discard every gradient accumulated since the last step, like ``nn.Module.zero_grad``."""
@@ -232,5 +255,7 @@ class MultiEngine(DeepSpeedEngine):
             raise RuntimeError("zero_grad() called while a backward pass is producing this engine's gradients.")
         super().zero_grad()
         zero_buffers.discard(self.optimizer)
+        if self.skip_group is not None:
+            self._nonfinite.zero_()
         self._window_backwards = 0
         self._state = TrainingState.IDLE

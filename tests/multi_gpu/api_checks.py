@@ -219,3 +219,31 @@ def fp16_overflow_skips_only_that_engine():
     _assert_close(full_params(a), before_a, "overflowed fp16 engine must not move")
     moved = max((full_params(b)[n] - before_b[n]).abs().max().item() for n in before_b)
     assert moved > 0, "the other engine must still step"
+
+
+def skip_group_skips_together(stage_a, stage_b):
+    """fp16 engine A feeds fp32 engine B in one skip group: an inf in A's gradients on one rank only
+    makes both skip (A's loss scale halves); the next clean round updates both."""
+    group = {"deepspeed_multi": {"skip_group": f"ppo-{stage_a}{stage_b}"}}
+    a = _engine(stage_a, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, **group)
+    b = _engine(stage_b, seed=2, **group)
+    start_a, start_b = full_params(a), full_params(b)
+    scale = a._get_optimizer_loss_scale()
+    for step in range(2):
+        x, y = _batch(step)
+        h = a(x)
+        poison = torch.zeros_like(h)
+        if step == 0 and dist.get_rank() == 0:
+            poison[0, 0] = float("inf")
+        (((b(h) - y)**2).mean() + (h * poison).sum()).backward()
+        a.step()
+        b.step()
+        if step == 0:
+            assert (a.skipped_steps, b.skipped_steps) == (1, 1), (a.skipped_steps, b.skipped_steps)
+            assert a._get_optimizer_loss_scale() == scale / 2
+            _assert_close(full_params(a), start_a, "skipped engine A must not move")
+            _assert_close(full_params(b), start_b, "skipped engine B must not move")
+    assert (a.skipped_steps, b.skipped_steps) == (1, 1)
+    for engine, start in ((a, start_a), (b, start_b)):
+        moved = max((full_params(engine)[n] - start[n]).abs().max().item() for n in start)
+        assert moved > 0, "a clean round must update every member"

@@ -196,6 +196,13 @@ def _hooks(stage):
                     phases=[Phase(loss)])
 
 
+def _with_options(scenario, **options):
+    """The same scenario with deepspeed_multi options in every member's config."""
+    for member in scenario.members.values():
+        member.config["deepspeed_multi"] = dict(options)
+    return scenario
+
+
 SCENARIOS = {}
 for s in range(4):
     SCENARIOS[f"single-z{s}"] = functools.partial(_single, s)
@@ -237,6 +244,8 @@ for s in range(4):
     for reentrant in (True, False):
         SCENARIOS[f"checkpoint-{'reentrant' if reentrant else 'nonreentrant'}-z{s}"] = functools.partial(
             _checkpointed, s, reentrant)
+SCENARIOS["chain-z2z3-skip-group"] = lambda: _with_options(_chain(2, 3, 2, 2), skip_group="chain")
+SCENARIOS["chain-z0z1-skip-group"] = lambda: _with_options(_chain(0, 1), skip_group="chain01")
 SCENARIOS["two-backward-retain-chain-z3"] = functools.partial(_retain_chain, 3)
 SCENARIOS["two-backward-retain-chain-z2"] = functools.partial(_retain_chain, 2)
 SCENARIOS["two-backward-z2-gas2"] = functools.partial(_two_backward, 2, gas=2)

@@ -40,3 +40,8 @@ def test_bad_config_and_pipeline_refused():
 
 def test_fp16_overflow_skips_only_that_engine():
     run_distributed(checks.fp16_overflow_skips_only_that_engine)
+
+
+@pytest.mark.parametrize("stages", [(2, 3), (0, 1)])
+def test_skip_group_skips_together(stages):
+    run_distributed(checks.skip_group_skips_together, *stages)
