@@ -1,0 +1,34 @@
+"""Config handling: our options are taken out, DeepSpeed runs unmanaged, bad input is refused."""
+import pytest
+
+from deepspeed_multi.config import MultiOptions, load_config, prepare_engine_config, zero_stage
+
+
+def test_engine_config_is_unmanaged_and_options_removed():
+    given = {"zero_optimization": {"stage": 2}, "deepspeed_multi": {"fused_reduce": False, "skip_group": "g"}}
+    config, user_managed, options = prepare_engine_config(load_config(given))
+    assert config["managed_gradient_accumulation"] is False and "deepspeed_multi" not in config
+    assert not user_managed and options == MultiOptions(fused_reduce=False, skip_group="g")
+    assert "deepspeed_multi" in given, "the caller's dict must not be modified"
+
+
+def test_user_managed_boundary_is_kept():
+    _, user_managed, options = prepare_engine_config({"managed_gradient_accumulation": False})
+    assert user_managed and options == MultiOptions()
+
+
+def test_unknown_option_names_the_key():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['fuse'\].*known options"):
+        prepare_engine_config({"deepspeed_multi": {"fuse": True}})
+
+
+def test_stage1_overlap_comm_refused_with_fix():
+    with pytest.raises(ValueError, match="overlap_comm.*stage 1"):
+        prepare_engine_config({"zero_optimization": {"stage": 1, "overlap_comm": True}})
+
+
+def test_load_config_from_path(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3}}')
+    assert zero_stage(load_config(str(path))) == 3
+    assert zero_stage({}) == 0
