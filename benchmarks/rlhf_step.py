@@ -6,7 +6,9 @@ actor is trained by a gradient that crosses a frozen partitioned engine).
 
 * ours:     ``deepspeed_multi`` engines, ONE ``(actor_loss + critic_loss).backward()``;
 * upstream: ``deepspeed.initialize`` engines, ``actor.backward(actor_loss)`` then
-  ``critic.backward(critic_loss)`` (the upstream API needs one backward per trained engine).
+  ``critic.backward(critic_loss)`` (the upstream API needs one backward per trained engine), and
+  the reward model called as ``reward.module(act)``: upstream raises when a gradient goes through
+  a frozen engine's forward.
 
 Phases: fwd actor, fwd ref, fwd reward, fwd critic, backward, step (each synchronised, max over
 ranks, median over steps). Peak memory per variant in fresh processes.
@@ -62,7 +64,11 @@ def _build(variant, models):
             with torch.no_grad():
                 ref_out = ref(x)
         with timer("fwd reward"):
-            r = reward(act)                       # differentiable through the frozen ZeRO-3 reward model
+            # differentiable through the frozen ZeRO-3 reward model. Upstream refuses a gradient through
+            # a frozen engine's forward ("Direct calls to tensor.backward() are not supported ..."
+            # from the reward engine's output hook), so the baseline calls its module directly,
+            # past the engine (ZeRO-3's gather hooks live on the module and still work).
+            r = reward(act) if ours else reward.module(act)
         with timer("fwd critic"):
             value = critic(x)
         actor_loss = -r.mean() + 0.1 * ((act - ref_out)**2).mean()
