@@ -11,7 +11,6 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.utils import count_used_parameters_in_backward
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from . import fused_zero, grad_scale, zero3_counters, zero_buffers
@@ -25,6 +24,19 @@ logger = logging.getLogger(__name__)
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _any_param_in_current_graph(params) -> bool:
+    """Will the running backward accumulate into any of ``params``? Stops at the first one."""
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+    with torch.enable_grad():  # leaf parameters need grad mode to hand out their AccumulateGrad
+        for param in params:
+            if not param.requires_grad:
+                continue
+            node = _get_grad_fn_or_grad_acc(param)
+            if node is not None and torch._C._will_engine_execute_node(node):
+                return True
+    return False
 
 
 class _ForwardRecord:
@@ -60,7 +72,7 @@ class MultiEngine(DeepSpeedEngine):
         self._user_managed_boundary = user_managed_boundary
         self._window_micro_steps = 0
         self._window_backwards = 0
-        # One tiny all-reduce per update; DSM_CHECK_RANK_AGREEMENT=0 turns it off.
+        # One tiny all-reduce per update at ZeRO 0/1; DSM_CHECK_RANK_AGREEMENT=0 turns it off.
         self.check_rank_agreement = os.environ.get("DSM_CHECK_RANK_AGREEMENT", "1") != "0"
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
         if self.options.fused_reduce:
@@ -123,7 +135,7 @@ class MultiEngine(DeepSpeedEngine):
         """First gradient reached this engine in a backward pass: run the prologue once."""
         if self._state is TrainingState.IN_BACKWARD or not self.trains:
             return
-        if count_used_parameters_in_backward(self._trainable_params) == 0:
+        if not _any_param_in_current_graph(self._trainable_params):
             # e.g. torch.autograd.grad(loss, inputs) or a backward that stops above the params.
             return
         self._state = TrainingState.IN_BACKWARD
@@ -199,9 +211,10 @@ class MultiEngine(DeepSpeedEngine):
         """Every rank must have run the same number of backward passes through this engine.
 
         A backward that reaches an engine on some ranks only leaves its collectives unmatched;
-        ZeRO-0/1 reduce at the update, so they are caught here before the mismatch. (ZeRO-2/3
-        reduce during backward: a mismatch there blocks in that collective until the
-        process-group timeout of deepspeed.init_distributed.)
+        ZeRO-0/1 reduce at the update, so they are caught here before the mismatch. ZeRO-2/3
+        reduce during backward: a mismatch there blocks in that collective before any rank gets
+        here (until the process-group timeout of deepspeed.init_distributed), so the check,
+        one all-reduce and a host sync per update, is not run for them.
         """
         counts = torch.tensor([self._window_backwards, -self._window_backwards], dtype=torch.int64,
                               device=self.device)
@@ -225,7 +238,7 @@ class MultiEngine(DeepSpeedEngine):
             self.micro_steps += 1
             return
         self._window_micro_steps = 0
-        if self.trains and self.check_rank_agreement:
+        if self.trains and self.check_rank_agreement and not self.zero_optimization_partition_gradients():
             self._check_ranks_agree()
         self._window_backwards = 0
         if self.skip_group is not None:
