@@ -6,6 +6,7 @@ import torch
 
 from deepspeed_multi.ops import builder
 from deepspeed_multi.ops import reference as ref
+from _toolchain import skip_unless_toolchain_missing
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PAIRS = list(itertools.product(DTYPES, DTYPES))
@@ -20,7 +21,7 @@ def ext():
     try:
         return builder.load()
     except builder.BuildError as exc:
-        pytest.skip(f"extension unavailable: {exc}")
+        skip_unless_toolchain_missing(exc)
 
 
 def same(a, b):
