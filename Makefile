@@ -32,7 +32,7 @@ demo: setup
 	DS_ACCELERATOR=cpu $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py
 
 bench: setup
-	bash benchmarks/run_all.sh $(PY)
+	PYTHON=$(PY) bash benchmarks/run_all.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
