@@ -5,6 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# JIT-built ops (DeepSpeed's CPU shm comm op, our fused ops) live with the environment they were
+# built for: a cache shared by two environments rebuilds on every switch between them.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+export DSM_BUILD_DIR ?= $(abspath $(VENV))/dsm_build
 
 .PHONY: setup test test-unit test-multi demo bench clean
 
