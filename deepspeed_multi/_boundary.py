@@ -87,21 +87,24 @@ class _InputBoundary(torch.autograd.Function):
 
 
 def _apply_boundary(fn, engine, tree, *extra):
-    """Pass every tensor of ``tree`` that requires grad through ``fn`` as one autograd node."""
+    """Pass every tensor of ``tree`` that requires grad through its own ``fn`` node.
+
+    One node per tensor, not one for all: a node joining several tensors would make the
+    subgraph behind every one of them reachable from a loss that uses only one, and autograd
+    then runs the AccumulateGrad nodes there with no gradient (ZeRO's hooks on them fail).
+    """
     if not torch.is_grad_enabled():
         return tree
-    tensors = []
+    replaced = {}
 
-    def collect(t):
-        if t.requires_grad:
-            tensors.append(t)
-        return t
+    def wrap(t):
+        if not t.requires_grad:
+            return t
+        if id(t) not in replaced:
+            (replaced[id(t)], ) = fn.apply(engine, *extra, t)
+        return replaced[id(t)]
 
-    tree_map(collect, tree)
-    if not tensors:
-        return tree
-    replaced = dict(zip(map(id, tensors), fn.apply(engine, *extra, *tensors)))
-    return tree_map(lambda t: replaced.get(id(t), t), tree)
+    return tree_map(wrap, tree)
 
 
 def wrap_inputs(engine, inputs, kwargs):

@@ -41,10 +41,10 @@ def _any_param_in_current_graph(params) -> bool:
 
 class _ForwardRecord:
     """Handed from one forward to the backward passes through its outputs."""
-    __slots__ = ("backward_calls", "zero3_armed")
+    __slots__ = ("graph_tasks", "zero3_armed")
 
     def __init__(self, zero3_armed=None):
-        self.backward_calls = 0
+        self.graph_tasks = set()  # autograd graph tasks (backward passes) that reached these outputs
         self.zero3_armed = zero3_armed or {}
 
 
@@ -75,6 +75,7 @@ class MultiEngine(DeepSpeedEngine):
         # One tiny all-reduce per update at ZeRO 0/1; DSM_CHECK_RANK_AGREEMENT=0 turns it off.
         self.check_rank_agreement = os.environ.get("DSM_CHECK_RANK_AGREEMENT", "1") != "0"
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
+        zero_buffers.start_window(self.optimizer)
         if self.options.fused_reduce:
             fused_zero.install(self.optimizer)
         self.skip_group = None
@@ -115,11 +116,13 @@ class MultiEngine(DeepSpeedEngine):
         return grad_scale.factor(self)
 
     def _before_output_backward(self, record, create_graph: bool):
-        """A gradient reached the outputs of one forward: re-arm ZeRO-3 for a repeated backward."""
-        record.backward_calls += 1
+        """A gradient reached an output of one forward: re-arm ZeRO-3 when it is a later backward pass."""
+        task = torch._C._current_graph_task_id()
+        first_in_task = task not in record.graph_tasks
+        record.graph_tasks.add(task)
         if self.zero_optimization_stage() != 3:
             return
-        if record.backward_calls > 1:
+        if first_in_task and len(record.graph_tasks) > 1:
             zero3_counters.rearm(record.zero3_armed)
         if create_graph:
             raise RuntimeError(
@@ -249,6 +252,7 @@ class MultiEngine(DeepSpeedEngine):
                 self._skip_update()
                 return
         super().step(lr_kwargs)
+        zero_buffers.start_window(self.optimizer)
         self._state = TrainingState.IDLE
 
     def _skip_update(self):

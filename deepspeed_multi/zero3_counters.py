@@ -5,8 +5,9 @@ DeepSpeed's ZeRO-3 hooks count, per submodule, how many backward gathers a forwa
 (``applied_pre_backward_ref_cnt``) and how many input gradients must arrive before the
 submodule's parameters are released again (``ds_grads_remaining``); a backward consumes them.
 A second backward through the same retained graph would find them spent and run on released
-(empty) parameters. MultiEngine records what each forward added and, when a gradient reaches
-that forward's outputs a second time, adds it back, so the parameters are gathered again.
+(empty) parameters. MultiEngine records what each forward armed and, when a later backward pass
+(a new autograd graph task) first reaches that forward's outputs, arms it again, so the
+parameters are gathered again.
 """
 from typing import Dict, Tuple
 
@@ -33,6 +34,15 @@ def armed_by_forward(before, module: torch.nn.Module) -> Dict[torch.nn.Module, T
 
 
 def rearm(added) -> None:
+    """Arm again what one forward armed, for the submodules whose counters a backward spent.
+
+    A counter that is not spent (zero) is left alone: the earlier backward did not reach that
+    submodule, or reached it through only some of its outputs, and what is left is what the
+    remaining outputs need. Arming more would make ZeRO-3 gather spuriously or, for
+    ds_grads_remaining, never release the submodule's parameters. Idempotent.
+    """
     for m, (d_pre, d_post) in added.items():
-        m.__dict__[_PRE] = m.__dict__.get(_PRE, 0) + d_pre
-        m.__dict__[_POST] = m.__dict__.get(_POST, 0) + d_post
+        if m.__dict__.get(_PRE, 0) == 0:
+            m.__dict__[_PRE] = d_pre
+        if m.__dict__.get(_POST, 0) == 0:
+            m.__dict__[_POST] = d_post

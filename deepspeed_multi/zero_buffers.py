@@ -10,14 +10,29 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 
+def start_window(optimizer) -> None:
+    """Make the next backward accumulate onto zeros (at construction and after each update).
+
+    [Note: ZeRO-3 gradient partitions across windows]
+    ZeRO-3 copies (rather than adds) a reduced partition into its buffer while micro_step_id is
+    0, i.e. in the first backward after an update, and leaves the buffer as it was otherwise. A
+    parameter that the first backward of a window does not reach (a branch the first of two
+    losses does not use, a module skipped on one micro-batch) then adds its later gradient onto
+    the previous window's. Zeroing the buffer once per window and always accumulating gives
+    PyTorch's meaning; it costs one pass over this rank's gradient partition per update.
+    """
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        if optimizer.grad_partitions_flat_buffer is not None:
+            optimizer.grad_partitions_flat_buffer.zero_()
+        optimizer.micro_step_id = 1
+        optimizer._epilogue_ran_this_backward = False
+
+
 def discard(optimizer) -> None:
     """Drop every gradient accumulated since the last update."""
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         optimizer.zero_grad(set_to_none=True)
-        if optimizer.grad_partitions_flat_buffer is not None:
-            optimizer.grad_partitions_flat_buffer.zero_()
-        optimizer.micro_step_id = 0
-        optimizer._epilogue_ran_this_backward = False
+        start_window(optimizer)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer):
         optimizer.zero_grad(set_to_none=True)
         optimizer.averaged_gradients = {}

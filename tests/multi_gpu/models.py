@@ -74,3 +74,19 @@ class Scalar(nn.Module):
 
     def forward(self, x):
         return self.body(x).mean(dim=-1)
+
+
+class TwoHeads(MLP):
+    """A trunk and two heads; each call uses one head, so a head can miss a whole micro-batch."""
+
+    def __init__(self, seed=0):
+        super().__init__(seed=seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        self.head2 = nn.Linear(8, 8)
+        with torch.no_grad():
+            for p in self.head2.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x, head):
+        h = super().forward(x)
+        return self.head2(h) if head == 2 else h

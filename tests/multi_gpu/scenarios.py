@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from common import MLP, Member, Phase, Scenario, ds_config
-from models import CheckpointedMLP, Scalar, StructuredMLP, structured_out
+from common import default_batch
+from models import CheckpointedMLP, Scalar, StructuredMLP, TwoHeads, structured_out
 
 
 def mlp(seed, **kw):
@@ -142,6 +143,22 @@ def _retain_chain(stage):
                     phases=[Phase(first, retain_graph=True, after=()), Phase(second)])
 
 
+def _partial_window(stage, gas=2):
+    """A head that the first micro-batch of each accumulation window does not use."""
+
+    def loss(m, b, c):
+        head = 2 if int(b["step"]) % gas == gas - 1 else 1
+        return mse(m["a"](b["x"], head), b["y"])
+
+    def batch(step, rank):
+        out = default_batch(step, rank)
+        out["step"] = torch.tensor(step)
+        return out
+
+    return Scenario(members={"a": Member(functools.partial(TwoHeads, seed=1), ds_config(stage, gas=gas))},
+                    phases=[Phase(loss)], batch=batch, micro_steps=6)
+
+
 def _zero_grad_discards(stage):
     def first(m, b, c):
         return mse(m["a"](b["x"]), 3 * b["y"])
@@ -238,6 +255,7 @@ for s in range(4):
     SCENARIOS[f"two-backward-z{s}"] = functools.partial(_two_backward, s)
     SCENARIOS[f"two-backward-retain-z{s}"] = functools.partial(_two_backward, s, True)
     SCENARIOS[f"zero-grad-discards-z{s}"] = functools.partial(_zero_grad_discards, s)
+    SCENARIOS[f"partial-window-z{s}-gas2"] = functools.partial(_partial_window, s)
     SCENARIOS[f"grad-tensors-z{s}"] = functools.partial(_grad_tensors, s)
     SCENARIOS[f"grad-penalty-z{s}"] = functools.partial(_grad_penalty, s)
     SCENARIOS[f"hooks-z{s}"] = functools.partial(_hooks, s)

@@ -15,4 +15,6 @@ def test_armed_by_forward_and_rearm():
     assert armed == {used: (1, 1)} and unused not in armed
     used.applied_pre_backward_ref_cnt, used.ds_grads_remaining = 1, 0  # a backward consumed them
     z3.rearm(armed)
-    assert (used.applied_pre_backward_ref_cnt, used.ds_grads_remaining) == (2, 1)
+    assert (used.applied_pre_backward_ref_cnt, used.ds_grads_remaining) == (1, 1)
+    z3.rearm(armed)  # idempotent: a submodule the backward did not reach is not armed twice
+    assert (used.applied_pre_backward_ref_cnt, used.ds_grads_remaining) == (1, 1)
