@@ -17,6 +17,14 @@ for b in overhead two_engines distillation rlhf_step; do
   echo "($b: $(( $(date +%s) - start )) s)"
   grep '^RESULT' benchmarks/results/$b.txt >> "$summary"
 done
+# The fused-op benchmarks take their own options, so the extra arguments are not passed to them.
+for b in fused_reduce fused_reduce_e2e; do
+  echo "=== benchmarks/$b.py"
+  start=$(date +%s)
+  "$PY" benchmarks/$b.py | tee benchmarks/results/$b.txt
+  echo "($b: $(( $(date +%s) - start )) s)"
+  grep '^RESULT' benchmarks/results/$b.txt >> "$summary"
+done
 "$PY" benchmarks/report.py
 echo "=== summary"
 cat "$summary"
