@@ -158,10 +158,13 @@ class MultiEngine(DeepSpeedEngine):
             self._state = TrainingState.GRADS_READY
 
     def _recover_from_failed_backward(self):
+        """Called from forward() and zero_grad(): clean up after a backward that raised part way."""
         if self._state is TrainingState.IN_BACKWARD and not _in_backward():
             logger.warning("deepspeed_multi: a backward pass through this engine raised before it finished; "
                            "its partial gradients are discarded.")
-            self.zero_grad()
+            zero_buffers.abort_backward(self)
+            self._window_backwards = 0
+            self._state = TrainingState.IDLE
 
     # ---------------------------------------------------------------- user API
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
@@ -270,6 +273,7 @@ class MultiEngine(DeepSpeedEngine):
         """Discard every gradient accumulated since the last step, like ``nn.Module.zero_grad``."""
         if self._state is TrainingState.IN_BACKWARD and _in_backward():
             raise RuntimeError("zero_grad() called while a backward pass is producing this engine's gradients.")
+        self._recover_from_failed_backward()
         super().zero_grad()
         zero_buffers.discard(self.optimizer)
         if self.skip_group is not None:

@@ -247,3 +247,43 @@ def skip_group_skips_together(stage_a, stage_b):
     for engine, start in ((a, start_a), (b, start_b)):
         moved = max((full_params(engine)[n] - start[n]).abs().max().item() for n in start)
         assert moved > 0, "a clean round must update every member"
+
+
+def recovers_after_failed_backward(stage):
+    """A backward that raises part way (here: a user hook) leaves nothing behind: the next
+    iterations train exactly like plain PyTorch from the same parameters."""
+    engine = _engine(stage)
+    x, y = _batch(99)
+
+    def boom(grad):
+        raise ValueError("user hook failed")
+
+    handle = engine.module.fc2.weight.register_hook(boom)  # fires inside the engine's backward
+    try:
+        ((engine(x) - y)**2).mean().backward()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the hook must have raised")
+    handle.remove()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        assert "failed part way" in str(e), str(e)
+    else:
+        raise AssertionError("step() after a failed backward must refuse")
+    engine.zero_grad()  # as the error says
+    ref = MLP(seed=1)
+    ref.load_state_dict({n: p for n, p in full_params(engine).items()})
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    world = dist.get_world_size()
+    for step in range(2):
+        x, y = _batch(step)
+        ((engine(x) - y)**2).mean().backward()
+        engine.step()
+        for r in range(world):
+            xr, yr = _batch(step, r)
+            (((ref(xr) - yr)**2).mean() / world).backward()
+        opt.step()
+        opt.zero_grad()
+    _assert_close(full_params(engine), dict(ref.named_parameters()), f"stage {stage} after a failed backward")

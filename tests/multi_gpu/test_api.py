@@ -27,6 +27,7 @@ def _features(stage):
     checks.old_backward_api(stage)
     checks.no_sync_accumulates(stage)
     checks.step_inside_backward_refused(stage)
+    checks.recovers_after_failed_backward(stage)
 
 
 @pytest.mark.parametrize("stage", [0, 1])
