@@ -373,3 +373,22 @@ def bar_plot(plt, title, groups, series, ylabel):
     ax.set_title(title)
     ax.legend(fontsize=8)
     return fig
+
+
+def peak_memory_of_steps(build_step, steps) -> float:
+    """Peak memory (MiB, max over ranks) of building a variant with ``build_step()`` and running its steps."""
+    mem = PeakMemory()
+    step = build_step()
+    for i in range(steps):
+        step(i)
+    return mem.peak_mb()
+
+
+def arg_parser(doc):
+    """The options every multi-engine benchmark takes: --steps, --warmup, --no-memory."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-memory", action="store_true")
+    return ap

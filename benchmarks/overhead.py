@@ -17,7 +17,6 @@ Usage: python benchmarks/overhead.py [--steps 15] [--warmup 4] [--no-memory] [--
 """
 from __future__ import annotations
 
-import argparse
 import copy
 
 import _bench as B
@@ -72,20 +71,13 @@ def timing(configs, warmup, steps):
 def memory(kind, stage, dtype, steps):
     import deepspeed
     import deepspeed_multi
-    mem = B.PeakMemory()
     init = deepspeed.initialize if kind == "upstream" else deepspeed_multi.initialize
-    engine = _make(init, stage, dtype, B.Tower(D, D, LAYERS, D, seed=1))
-    step = _step_fn(kind, engine)
-    for i in range(steps):
-        step(i)
-    return mem.peak_mb()
+    return B.peak_memory_of_steps(
+        lambda: _step_fn(kind, _make(init, stage, dtype, B.Tower(D, D, LAYERS, D, seed=1))), steps)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--no-memory", action="store_true")
+    ap = B.arg_parser(__doc__)
     ap.add_argument("--memory-bf16", action="store_true", help="also measure bf16 memory (6 more launches)")
     ap.add_argument("--quick", action="store_true", help="fp32 only, fewer steps")
     args = ap.parse_args()

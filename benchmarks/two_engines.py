@@ -19,7 +19,6 @@ Usage: python benchmarks/two_engines.py [--steps 15] [--warmup 3] [--no-memory]
 """
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch.nn as nn
@@ -91,18 +90,11 @@ def timing(warmup, steps):
 
 def memory(variant, steps):
     enc, llm = _models()
-    mem = B.PeakMemory()
-    step = _build(variant, enc, llm)
-    for i in range(steps):
-        step(i)
-    return mem.peak_mb()
+    return B.peak_memory_of_steps(lambda: _build(variant, enc, llm), steps)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--no-memory", action="store_true")
+    ap = B.arg_parser(__doc__)
     args = ap.parse_args()
     t = B.launch(timing, args.warmup, args.steps)[0]
     med = {v: B.median(t[v]) for v in VARIANTS}

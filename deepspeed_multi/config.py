@@ -3,7 +3,6 @@ import copy
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from deepspeed.runtime.config import DeepSpeedConfigError  # noqa: F401 (re-exported for callers)
 from deepspeed.runtime.constants import MANAGED_GRADIENT_ACCUMULATION
 
 

@@ -1,7 +1,4 @@
 """Rank functions for test_api.py (importable by the spawned ranks)."""
-import copy
-import functools
-import os
 
 import deepspeed
 import deepspeed.comm as dist

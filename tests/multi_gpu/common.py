@@ -5,7 +5,7 @@ ranks, once as plain PyTorch modules on every rank (the reference sees the batch
 ranks and averages the per-rank losses, which is what data-parallel averaging computes).
 """
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 import torch

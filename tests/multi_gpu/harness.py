@@ -15,7 +15,6 @@ import faulthandler
 import os
 import queue
 import socket
-import sys
 import tempfile
 import time
 import traceback
