@@ -3,15 +3,28 @@
 torch is stated as a range only; install the build you want first (the Makefile pins the CPU
 build on CPU machines) so that pip never pulls a multi-GB CUDA wheel by accident.
 """
+import shutil
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithSources(build_py):
+    """Ship csrc/ inside the package, so that a non-editable install can JIT-build the extension."""
+
+    def run(self):
+        super().run()
+        shutil.copytree(Path(__file__).resolve().parent / "csrc", Path(self.build_lib) / "deepspeed_multi" / "csrc",
+                        dirs_exist_ok=True)
+
 
 setup(
     name="deepspeed_multi",
     version="0.1.0",
     description="Hook-driven multi-engine backward for DeepSpeed, with a fused gradient-reduction extension",
     packages=find_packages(include=["deepspeed_multi", "deepspeed_multi.*"]),
-    package_data={"deepspeed_multi": ["csrc/*"]},
-    include_package_data=True,
+    cmdclass={"build_py": BuildPyWithSources},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.15",

@@ -22,7 +22,10 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+# The sources: inside the package for a regular install (setup.py copies them), else the
+# repository's csrc/ (editable install, as `make setup` does).
+CSRC = next((p for p in (Path(__file__).resolve().parents[1] / "csrc", Path(__file__).resolve().parents[2] / "csrc")
+             if p.is_dir()), Path(__file__).resolve().parents[2] / "csrc")
 CPU_SOURCES = ("fused_reduce.cpp",)
 CUDA_SOURCES = ("fused_reduce_cuda.cu",)
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no -march=native: the cache may be shared
