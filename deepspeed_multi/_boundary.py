@@ -44,6 +44,13 @@ class _ScaleGrad(torch.autograd.Function):
         return None, grad, None
 
 
+def _alias(tensors):
+    """Same storage, not an autograd view: a module may modify its input (or the user the
+    engine's output) in place, as with a plain nn.Module; a view returned by a custom Function
+    would refuse that. The shared version counter still catches a modified saved tensor."""
+    return tuple(t.detach() for t in tensors)
+
+
 def _scale(engine, grad, scale):
     if grad is None:
         return None
@@ -59,7 +66,7 @@ class _OutputBoundary(torch.autograd.Function):
     def forward(ctx, engine, forward_record, *outputs):
         ctx.engine, ctx.forward_record = engine, forward_record
         ctx.set_materialize_grads(False)
-        return outputs
+        return _alias(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -77,7 +84,7 @@ class _InputBoundary(torch.autograd.Function):
     def forward(ctx, engine, *inputs):
         ctx.engine = engine
         ctx.set_materialize_grads(False)
-        return inputs
+        return _alias(inputs)
 
     @staticmethod
     def backward(ctx, *grads):

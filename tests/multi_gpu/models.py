@@ -90,3 +90,11 @@ class TwoHeads(MLP):
     def forward(self, x, head):
         h = super().forward(x)
         return self.head2(h) if head == 2 else h
+
+
+class InplaceInputMLP(MLP):
+    """Modifies its input in place before using it, as a first ReLU(inplace=True) would."""
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return super().forward(x)

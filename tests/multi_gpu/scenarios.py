@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from common import MLP, Member, Phase, Scenario, ds_config
 from common import default_batch
-from models import CheckpointedMLP, Scalar, StructuredMLP, TwoHeads, structured_out
+from models import CheckpointedMLP, InplaceInputMLP, Scalar, StructuredMLP, TwoHeads, structured_out
 
 
 def mlp(seed, **kw):
@@ -159,6 +159,19 @@ def _partial_window(stage, gas=2):
                     phases=[Phase(loss)], batch=batch, micro_steps=6)
 
 
+def _inplace(stage):
+    """Engine b modifies its input (engine a's output) in place; the user modifies b's output in place."""
+
+    def loss(m, b, c):
+        out = m["b"](m["a"](b["x"]))
+        out.add_(1.0)
+        return mse(out, b["y"])
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage)),
+                             "b": Member(functools.partial(InplaceInputMLP, seed=2), ds_config(stage))},
+                    phases=[Phase(loss)])
+
+
 def _zero_grad_discards(stage):
     def first(m, b, c):
         return mse(m["a"](b["x"]), 3 * b["y"])
@@ -256,6 +269,7 @@ for s in range(4):
     SCENARIOS[f"two-backward-retain-z{s}"] = functools.partial(_two_backward, s, True)
     SCENARIOS[f"zero-grad-discards-z{s}"] = functools.partial(_zero_grad_discards, s)
     SCENARIOS[f"partial-window-z{s}-gas2"] = functools.partial(_partial_window, s)
+    SCENARIOS[f"inplace-z{s}"] = functools.partial(_inplace, s)
     SCENARIOS[f"grad-tensors-z{s}"] = functools.partial(_grad_tensors, s)
     SCENARIOS[f"grad-penalty-z{s}"] = functools.partial(_grad_penalty, s)
     SCENARIOS[f"hooks-z{s}"] = functools.partial(_hooks, s)

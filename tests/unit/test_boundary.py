@@ -78,3 +78,17 @@ def test_no_grad_forward_adds_no_nodes():
     with torch.no_grad():
         out = engine(torch.randn(3))
     assert out["y"].grad_fn is None and out["n"] == 1
+
+
+def test_inplace_on_inputs_and_outputs_works_like_plain_pytorch():
+    """A module may modify its input in place, the user the engine's output: gradients stay exact."""
+    engine = FakeEngine(0.25)
+    x = torch.randn(3, requires_grad=True)
+    h = x * 2
+    (hh, ), _ = wrap_inputs(engine, (h, ), {})
+    hh.mul_(3)  # e.g. nn.ReLU(inplace=True) as a module's first op
+    (out, ) = wrap_outputs(engine, (hh * engine.weight, ), _ForwardRecord())
+    out.add_(1.0)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 6 * engine.weight.detach())
+    torch.testing.assert_close(engine.weight.grad, 0.25 * 6 * x.detach())
