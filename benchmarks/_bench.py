@@ -21,17 +21,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import queue
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -44,74 +39,16 @@ MB = float(1 << 20)
 
 
 # ----------------------------------------------------------------------------- launching
-def use_gpu(world_size: int) -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world_size, port, gpu, log_path, results, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      DS_ACCELERATOR="cuda" if gpu else "cpu")
-    if rank != 0 or os.environ.get("BENCH_QUIET", "1") == "1":
-        # DeepSpeed logs a lot at engine construction; keep it out of the tables.
-        log = open(log_path.format(rank=rank), "w", buffering=1)
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    try:
-        torch.set_num_threads(1)
-        import deepspeed
-        import deepspeed.comm as dist
-        if gpu:
-            torch.cuda.set_device(rank)
-        deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
-        out = fn(*args)
-        dist.barrier()
-        results.put((rank, out, None))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, None, traceback.format_exc()))
+from deepspeed_multi._launch import run_ranks, use_gpu  # noqa: E402
 
 
 def launch(fn, *args, world_size: int = 2, timeout_s: float = 900):
-    """Run ``fn(*args)`` on ``world_size`` ranks; return the per-rank return values (a list)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    gpu = use_gpu(world_size)
-    port = _free_port()
-    log_dir = tempfile.mkdtemp(prefix="dsm_bench_")
-    log_path = os.path.join(log_dir, "rank{rank}.log")
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, gpu, log_path, results, fn, args), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    outs, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(outs) < world_size:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{fn.__name__}: timed out after {timeout_s:.0f}s (logs in {log_dir})")
-            try:
-                rank, out, tb = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"{fn.__name__}: rank {dead[0]} died (exit {procs[dead[0]].exitcode}); "
-                                       f"logs in {log_dir}")
-                continue
-            if tb is not None:
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{tb}\n(logs in {log_dir})")
-            outs[rank] = out
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-    return [outs[r] for r in range(world_size)]
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the per-rank return values (a list).
+
+    Rank 0 prints to this terminal when ``BENCH_QUIET=0``; DeepSpeed's construction logs go to files otherwise.
+    """
+    return run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s,
+                     quiet_rank0=os.environ.get("BENCH_QUIET", "1") == "1")
 
 
 def device():

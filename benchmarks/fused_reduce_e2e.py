@@ -13,13 +13,11 @@ Prints a table and ``RESULT e2e_z2=<off/on> e2e_z3=<off/on>`` (speedups: > 1 mea
 """
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -38,21 +36,16 @@ def _config(stage, fused, gas, bucket):
     }
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
+def _worker(args):
+    """One rank (started by deepspeed_multi._launch.run_ranks): time both engines per stage."""
     os.environ.pop("DSM_FUSED_ZERO", None)
     torch.set_num_threads(args.threads)
-    import deepspeed
     import deepspeed.comm as dist
 
     import deepspeed_multi
     from deepspeed_multi import ops
-    if gpu:
-        torch.cuda.set_device(rank)
-    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+    rank = dist.get_rank()
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= dist.get_world_size()
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
 
@@ -96,9 +89,7 @@ def _worker(rank, world, port, args, queue):
         for eng in engines.values():
             eng.destroy()
         del engines
-    if rank == 0:
-        queue.put((results, ops.active_backend(), "cuda" if gpu else "cpu"))
-    dist.barrier()
+    return results, ops.active_backend(), "cuda" if gpu else "cpu"
 
 
 def main():
@@ -114,13 +105,8 @@ def main():
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     args = ap.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(args.world, port, args, queue), nprocs=args.world, join=True)
-    results, backend, device = queue.get()
+    from deepspeed_multi._launch import run_ranks
+    results, backend, device = run_ranks(_worker, args, world_size=args.world, timeout_s=900, quiet_rank0=False)[0]
 
     print(f"\nfused_zero end to end: {args.layers} x Linear({args.dim}, {args.dim}), {args.world} ranks on {device}, "
           f"gas={args.gas}, bucket={args.bucket}, backend={backend}, median of {args.steps} steps")

@@ -1,0 +1,134 @@
+"""Run a function on N local ranks, collect what each returns, and fail fast.
+
+Shared by the multi-process tests (tests/multi_gpu/harness.py) and the benchmarks.
+
+[Note: no hangs]
+A collective that one rank skips blocks the others forever, so every run has a deadline.
+Each rank arms ``faulthandler.dump_traceback_later`` a little before the deadline, so a hung
+rank writes its own stack to its log before the parent kills it. The first rank that raises
+ends the run at once: the parent terminates the others and raises with that rank's traceback
+(and the tail of every rank's log).
+
+Backend: NCCL with one GPU per rank where ``torch.cuda.device_count() >= world_size``, else
+gloo on CPU (``DS_ACCELERATOR=cpu``). The function must be importable (module level) because
+ranks are started with the ``spawn`` method.
+"""
+import faulthandler
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RanksFailed(RuntimeError):
+    """A rank raised, died, or the run passed its deadline."""
+
+
+def use_gpu(world_size: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, rank_setup, results, fn, args, kwargs):
+    log = None
+    if rank != 0 or quiet_rank0:
+        log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False, file=log)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      DS_ACCELERATOR="cuda" if gpu else "cpu")
+    try:
+        torch.set_num_threads(1)
+        import deepspeed
+        import deepspeed.comm as dist
+        if gpu:
+            torch.cuda.set_device(rank)
+        if rank_setup is not None:
+            rank_setup(gpu)
+        deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+        out = fn(*args, **kwargs)
+        dist.barrier()
+        results.put((rank, out, None))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _tail(path, n=4000):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return "<no log>"
+
+
+def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank0: bool = True, rank_setup=None,
+              **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the ranks' return values, by rank.
+
+    ``quiet_rank0=False`` leaves rank 0's output on this terminal (the others always go to logs);
+    ``rank_setup(gpu)``, if given, runs in each rank before the process group is created.
+    Raises :class:`RanksFailed` with the failing rank's traceback and every rank's log tail.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    gpu = use_gpu(world_size)
+    port = _free_port()
+    log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
+    procs = [
+        ctx.Process(target=_rank_main,
+                    args=(r, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, rank_setup, results, fn, args,
+                          kwargs),
+                    daemon=True) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outs, failure = {}, None
+    try:
+        while len(outs) < world_size and failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, out, tb = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode not in (None, 0)]
+                if dead:
+                    failure = (dead[0], f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                continue
+            if tb is not None:
+                failure = (rank, tb)
+            else:
+                outs[rank] = out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    logs = "\n".join(f"----- rank {r} log (tail) -----\n{_tail(os.path.join(log_dir, f'rank{r}.log'))}"
+                     for r in range(world_size))
+    if failure is not None:
+        rank, tb = failure
+        raise RanksFailed(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{tb}\n{logs}")
+    if len(outs) < world_size:
+        missing = sorted(set(range(world_size)) - set(outs))
+        raise RanksFailed(f"{fn.__name__} timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
+                          f"(a collective that another rank skipped?). Their stacks are in the logs:\n{logs}")
+    return [outs[r] for r in range(world_size)]
