@@ -5,9 +5,10 @@
 is a drop-in for ``deepspeed.initialize``; the engine is a :class:`MultiEngine`.
 """
 from ._state import TrainingState
+from .checkpoint import load_checkpoint, save_checkpoint
 from .engine import MultiEngine
 from .initialize import initialize
 from .zero_init import zero_init
 
-__all__ = ["MultiEngine", "TrainingState", "initialize", "zero_init"]
+__all__ = ["MultiEngine", "TrainingState", "initialize", "load_checkpoint", "save_checkpoint", "zero_init"]
 __version__ = "0.1.0"

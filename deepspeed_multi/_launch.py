@@ -61,10 +61,64 @@ def _rank_main(rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, ran
         out = fn(*args, **kwargs)
         dist.barrier()
         results.put((rank, out, None))
+        _destroy_process_groups()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, None, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _destroy_process_groups():
+    """A process that exits with gloo groups alive can die in std::terminate while the
+    interpreter finalizes (pytorch/pytorch#190489): destroy them while Python is whole."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _rank_main_to_exit(rank, world_size, port, log_dir, rank_setup, fn, args, kwargs):
+    """Like _rank_main, but nothing is caught: the rank's exit code is the result."""
+    log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+    if rank_setup is not None:
+        rank_setup(False)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    fn(*args, **kwargs)
+    _destroy_process_groups()
+
+
+def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, rank_setup=None, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks until every rank has exited.
+
+    For tests of runs that must fail (the watchdog, a killed checkpoint save): returns, by rank,
+    ``{"exitcode": int or None (still running at the deadline, then killed), "exited_at": time.time()
+    when the parent saw it exit, "log": the rank's whole stdout+stderr}``. An exception in ``fn``
+    is not caught: it ends the rank with a non-zero exit code and its traceback in the log.
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
+    procs = [ctx.Process(target=_rank_main_to_exit, args=(r, world_size, port, log_dir, rank_setup, fn, args, kwargs),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    exited_at = {}
+    while len(exited_at) < world_size and time.monotonic() < deadline:
+        for r, p in enumerate(procs):
+            if r not in exited_at and p.exitcode is not None:
+                exited_at[r] = time.time()
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    return [{"exitcode": procs[r].exitcode if r in exited_at else None, "exited_at": exited_at.get(r),
+             "log": _tail(os.path.join(log_dir, f"rank{r}.log"), n=10**6)} for r in range(world_size)]
 
 
 def _tail(path, n=4000):

@@ -53,9 +53,18 @@ class MultiOptions:
         reduction path; the pure-PyTorch reference runs where no compiler is available.
     skip_group: engines with the same name skip their updates together when any of them has
         non-finite gradients (see skip_group.py).
+    watchdog_timeout_s: a rank that spends longer than this in one of the engine's collective
+        regions (ZeRO-3 forward, ZeRO-2/3 backward, step) fails every rank with an error naming
+        the engine (see watchdog.py); 0 turns the watchdog off.
+    allow_mixed_dp_groups: allow one backward pass to reach this engine and engines on other
+        data-parallel groups (another ``mpu``); every engine of that backward must allow it.
+        Right only when the data is replicated across each model-parallel group, so that every
+        engine's data-parallel average is the same average (see misuse.check_dp_groups).
     """
     fused_reduce: bool = True
     skip_group: Optional[str] = None
+    watchdog_timeout_s: float = 300.0
+    allow_mixed_dp_groups: bool = False
 
     @classmethod
     def from_config(cls, config: dict) -> "MultiOptions":
@@ -65,4 +74,12 @@ class MultiOptions:
         if unknown:
             raise ValueError(f"deepspeed_multi: unknown option(s) {unknown} under config key {OPTIONS_KEY!r}; "
                              f"known options: {sorted(known)}.")
-        return cls(**given)
+        options = cls(**given)
+        timeout = options.watchdog_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"deepspeed_multi: watchdog_timeout_s must be a number of seconds >= 0 (0 turns the "
+                             f"watchdog off); got {timeout!r}.")
+        if not isinstance(options.allow_mixed_dp_groups, bool):
+            raise ValueError(f"deepspeed_multi: allow_mixed_dp_groups must be true or false; got "
+                             f"{options.allow_mixed_dp_groups!r}.")
+        return options

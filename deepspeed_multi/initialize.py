@@ -9,6 +9,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
+from .misuse import refuse_engine_as_model
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise NotImplementedError("deepspeed_multi does not support pipeline parallelism: got a PipelineModule. "
                                   "Use deepspeed.initialize for pipeline engines; they run their own schedule "
                                   "(train_batch) instead of loss.backward().")
+    refuse_engine_as_model(model, "deepspeed_multi.initialize")
     if config is None and config_params is not None:
         config = config_params
     if config is None and getattr(args, "deepspeed_config", None) is not None:

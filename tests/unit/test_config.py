@@ -32,3 +32,20 @@ def test_load_config_from_path(tmp_path):
     path.write_text('{"zero_optimization": {"stage": 3}}')
     assert zero_stage(load_config(str(path))) == 3
     assert zero_stage({}) == 0
+
+
+def test_watchdog_timeout_default_and_bad_values():
+    assert MultiOptions().watchdog_timeout_s == 300
+    assert MultiOptions.from_config({"deepspeed_multi": {"watchdog_timeout_s": 0}}).watchdog_timeout_s == 0
+    for bad in (-1, "300", True):
+        with pytest.raises(ValueError, match=r"watchdog_timeout_s must be a number of seconds >= 0.*got"):
+            MultiOptions.from_config({"deepspeed_multi": {"watchdog_timeout_s": bad}})
+
+
+def test_allow_mixed_dp_groups_default_and_bad_values():
+    assert MultiOptions().allow_mixed_dp_groups is False
+    options = MultiOptions.from_config({"deepspeed_multi": {"allow_mixed_dp_groups": True}})
+    assert options.allow_mixed_dp_groups is True
+    for bad in (1, "true", None):
+        with pytest.raises(ValueError, match=r"allow_mixed_dp_groups must be true or false; got"):
+            MultiOptions.from_config({"deepspeed_multi": {"allow_mixed_dp_groups": bad}})

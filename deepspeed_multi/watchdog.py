@@ -1,0 +1,356 @@
+"""The watchdog: a rank stuck in an engine's collective fails every rank, naming the engine.
+
+[Note: why collectives hang and how the watchdog sees it]
+A backward that reaches an engine on some ranks only (a branch taken on one rank, an engine
+skipped on one batch), or a step() reached on some ranks only, leaves the engine's collectives
+unmatched: ZeRO-2/3 reduce (and ZeRO-3 gathers parameters) during forward and backward, every
+stage has collectives in the update. The ranks that entered block until the process group's
+own timeout (30 minutes by default) and then fail deep inside DeepSpeed, naming nothing.
+
+Each engine marks the regions where it runs collectives: its forward at ZeRO-3 (module hooks
+installed here), its backward from the first gradient that reaches it to the end of its
+epilogue (``MultiEngine._pre_backward`` / ``_post_backward``), and ``step()``. A mark is a
+time stamp in a dict on this process: the common path gets no collective and no store access.
+One daemon thread per process (the main thread is blocked inside gloo/NCCL, so only another
+thread can act) looks at the marks every ``poll`` seconds and at one key of the rendezvous
+store (torch.distributed's default store). When a mark is older than the engine's
+``watchdog_timeout_s``, or another rank has published a failure, the thread:
+
+1. publishes this rank's failure (if it is the one that timed out) and its report: for every
+   engine, its name, stage, backward passes this window and the regions it is in;
+2. waits (a few seconds at most) for every rank's report, prints one message with all of them
+   to stderr, and waits for every rank to have printed;
+3. ends the process with ``os._exit(1)``. The rank hosting the store (rank 0 under the env://
+   rendezvous) leaves last, so the others can still read it.
+
+So every rank exits non-zero within about ``watchdog_timeout_s`` + 2 * poll + a few seconds.
+
+[Note: the thread stops before the interpreter finalizes]
+Store calls release the GIL. A daemon thread that returns from one while Python is
+finalizing is ended with ``pthread_exit``, whose forced unwinding through pybind11's
+``noexcept`` GIL guard calls ``std::terminate`` ("terminate called without an active
+exception", SIGABRT) in a job that had finished cleanly. An ``atexit`` hook (atexit runs
+before finalization) therefore stops the thread and joins it: it never calls the store again.
+The budget covers the whole region, compute included: a forward, backward or update that
+legitimately takes longer than ``watchdog_timeout_s`` must get a larger value.
+"""
+import atexit
+import functools
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "dsm_watchdog/"
+_REPORT_GRACE_S = 4.0  # how long a failing rank waits for the other ranks' reports
+_EXIT_GRACE_S = 3.0  # how long it waits for every rank to have printed, and rank 0 for the exits
+
+_REGIONS = {
+    "forward": "forward (ZeRO-3 parameter all-gather)",
+    "backward": "backward (gradient reduction; ZeRO-3 parameter gather)",
+    "step": "step() (the update's collectives)",
+}
+
+
+class _Off:
+    """The watch of an engine whose watchdog is off: every call does nothing."""
+    enabled = False
+
+    def enter(self, what):
+        pass
+
+    def leave(self, what):
+        pass
+
+    def backward_reached(self):
+        pass
+
+
+class EngineWatch:
+    """The regions one engine is in on this rank, as ``what -> time.monotonic() at entry``."""
+    enabled = True
+
+    def __init__(self, engine, timeout_s, index):
+        self.engine = weakref.ref(engine)
+        self.name = type(engine.module).__name__
+        self.stage = engine.zero_optimization_stage()
+        self.timeout_s = float(timeout_s)
+        self.index = index  # engines are built in the same order on every rank
+        self.marks = {}
+
+    def enter(self, what):
+        self.marks[what] = time.monotonic()
+
+    def leave(self, what):
+        self.marks.pop(what, None)
+
+    def backward_reached(self):
+        """A gradient reached the engine: mark "backward" once per backward pass.
+
+        The mark ends with the autograd graph task (a final callback), or, for an engine whose
+        epilogue is still queued then, when ``_post_backward`` leaves it after the epilogue.
+        """
+        if "backward" in self.marks:
+            return
+        self.marks["backward"] = time.monotonic()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
+
+    def _end_of_graph_task(self):
+        engine = self.engine()
+        if engine is None or engine._state.name != "IN_BACKWARD":
+            self.leave("backward")
+
+    def report(self):
+        engine = self.engine()
+        now = time.monotonic()
+        return {"index": self.index, "name": self.name, "stage": self.stage,
+                "backwards": getattr(engine, "_window_backwards", None),
+                "micro_steps": getattr(engine, "_window_micro_steps", None),
+                "in": {what: round(now - t0, 1) for what, t0 in list(self.marks.items())}}
+
+
+def watched(what):
+    """Decorator for an engine method that runs collectives (``step``): mark it while it runs."""
+
+    def deco(fn):
+
+        @functools.wraps(fn)
+        def wrapper(engine, *args, **kwargs):
+            watch = engine.watchdog
+            watch.enter(what)
+            try:
+                return fn(engine, *args, **kwargs)
+            finally:
+                watch.leave(what)
+
+        return wrapper
+
+    return deco
+
+
+def attach(engine):
+    """The engine's watch: an :class:`EngineWatch` registered with this process's monitor, or
+    a no-op when ``watchdog_timeout_s`` is 0 or there is a single rank."""
+    timeout = engine.options.watchdog_timeout_s
+    if not timeout or not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
+        return _Off()
+    watch = _Monitor.get().add(engine, timeout)
+    _install_forward_hooks(engine, watch)
+    return watch
+
+
+def _install_forward_hooks(engine, watch):
+    """ZeRO-3 gathers parameters in forward: mark it. Every stage: a forward that starts outside
+    a backward ends any "backward" mark a failed backward left behind (its final callbacks never run)."""
+    zero3 = watch.stage == 3
+
+    def pre(module, args):
+        if torch._C._current_graph_task_id() == -1:
+            watch.leave("backward")
+        if zero3:
+            watch.enter("forward")
+
+    engine.module.register_forward_pre_hook(pre, prepend=True)
+    if zero3:
+        engine.module.register_forward_hook(lambda module, args, out: watch.leave("forward"), always_call=True)
+
+
+def _backward_running() -> bool:
+    """Is some thread inside autograd's backward (``loss.backward()``, ``autograd.grad``)?"""
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == "_engine_run_backward":
+                return True
+            frame = frame.f_back
+    return False
+
+
+def _main_thread_location():
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "?"
+    where = traceback.extract_stack(frame)[-3:]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(where))
+
+
+class _Monitor(threading.Thread):
+    """One per process: polls every engine's marks and the store's failure flag."""
+    _instance = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls):
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+                cls._instance.start()
+                atexit.register(cls._instance.stop)
+            return cls._instance
+
+    def __init__(self):
+        super().__init__(name="deepspeed_multi-watchdog", daemon=True)
+        self.watches = []
+        self.rank = torch.distributed.get_rank()
+        self.world = torch.distributed.get_world_size()
+        self.poll_s = 1.0
+        self.store = None
+        self.store_ok = True
+        self._stopping = threading.Event()
+
+    def add(self, engine, timeout_s):
+        watch = EngineWatch(engine, timeout_s, len(self.watches))
+        self.watches.append(watch)
+        self.poll_s = min(self.poll_s, max(0.1, timeout_s / 5))
+        return watch
+
+    # ------------------------------------------------------------ the loop
+    def run(self):
+        while not self._stopping.wait(self.poll_s):
+            try:
+                self._check()
+            except Exception:  # noqa: BLE001 - the watchdog must never take a healthy job down
+                logger.warning("deepspeed_multi watchdog: check failed:\n%s", traceback.format_exc())
+
+    def stop(self, join_s=10.0):
+        """End the loop and wait for it: see [Note: the thread stops before the interpreter finalizes]."""
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(join_s)
+
+    def _live(self):
+        return [w for w in self.watches if w.engine() is not None]
+
+    def _check(self):
+        now = time.monotonic()
+        for watch in self._live():
+            for what, t0 in list(watch.marks.items()):
+                if now - t0 > watch.timeout_s:
+                    if what == "backward" and not _backward_running():
+                        # A backward that raised never runs its final callbacks: the mark is stale.
+                        watch.leave("backward")
+                        continue
+                    self._fail({"rank": self.rank, "index": watch.index, "name": watch.name, "stage": watch.stage,
+                                "what": what, "waited_s": round(now - t0, 1), "timeout_s": watch.timeout_s})
+        if self._store_check("failed"):
+            self._fail(None)
+
+    # ------------------------------------------------------------ the store
+    def _get_store(self):
+        if self.store is None:
+            from torch.distributed.distributed_c10d import _get_default_store
+            self.store = _get_default_store()
+        return self.store
+
+    def _store_check(self, key):
+        if not self.store_ok:
+            return False
+        try:
+            return self._get_store().check([_PREFIX + key])
+        except Exception:  # noqa: BLE001 - store gone (its host exited): nothing more to learn there
+            self.store_ok = False
+            return False
+
+    def _store_get(self, key):
+        return json.loads(self._get_store().get(_PREFIX + key).decode())
+
+    def _store_set(self, key, value):
+        self._get_store().set(_PREFIX + key, json.dumps(value))
+
+    def _store_add(self, key, n):
+        return self._get_store().add(_PREFIX + key, n)
+
+    def _wait_count(self, key, target, grace_s):
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if self._store_add(key, 0) >= target:
+                return
+            time.sleep(0.02)
+
+    # ------------------------------------------------------------ failing every rank
+    def _fail(self, failure):
+        """Publish, collect every rank's report, print, exit. Never returns."""
+        reports = {}
+        try:
+            if failure is not None:
+                self._store_set(f"failure/{self.rank}", failure)
+                self._store_set("failed", 1)
+            self._store_set(f"report/{self.rank}", self._report())
+            deadline = time.monotonic() + _REPORT_GRACE_S
+            while len(reports) < self.world and time.monotonic() < deadline:
+                for r in range(self.world):
+                    if r not in reports and self._store_check(f"report/{r}"):
+                        reports[r] = self._store_get(f"report/{r}")
+                time.sleep(0.05)
+            failures = [self._store_get(f"failure/{r}") for r in range(self.world) if self._store_check(f"failure/{r}")]
+        except Exception:  # noqa: BLE001 - the store is gone: report what this rank knows
+            failures = [failure] if failure is not None else []
+            reports.setdefault(self.rank, self._report())
+        message = format_message(failures, reports, self.world, self.rank)
+        os.write(2, (message + "\n").encode(errors="replace"))
+        try:
+            self._store_add("printed", 1)
+            self._wait_count("printed", self.world, _EXIT_GRACE_S)
+            if self.rank == 0:
+                self._wait_count("exited", self.world - 1, _EXIT_GRACE_S)
+            else:
+                self._store_add("exited", 1)
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)
+
+    def _report(self):
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "engines": [w.report() for w in self._live()], "at": _main_thread_location()}
+
+
+def format_message(failures, reports, world, rank):
+    """The error every rank prints: which engine, where each rank is, what to do."""
+    lines = []
+    if failures:
+        f = failures[0]
+        lines.append(
+            f"deepspeed_multi watchdog (rank {rank}): MultiEngine ({f['name']}, ZeRO stage {f['stage']}) spent "
+            f"{f['waited_s']} s in its {_REGIONS.get(f['what'], f['what'])} on rank {f['rank']}, more than its "
+            f"watchdog_timeout_s={f['timeout_s']:g}: a collective another rank never entered. Stopping every rank.")
+        for other in failures[1:]:
+            lines.append(f"  also rank {other['rank']}: {other['name']} in its {other['what']} for "
+                         f"{other['waited_s']} s")
+        suspects = [f["index"]]
+    else:
+        lines.append(f"deepspeed_multi watchdog (rank {rank}): another rank reported a stuck collective but its "
+                     "report could not be read.")
+        suspects = []
+    for index in suspects:
+        counts = []
+        for r in range(world):
+            engines = {e["index"]: e for e in reports.get(r, {}).get("engines", [])}
+            e = engines.get(index)
+            counts.append(f"rank {r}: {e['backwards']}" if e is not None else f"rank {r}: no report")
+        name = failures[0]["name"]
+        lines.append(f"  backward passes through {name} since its last update, by rank: " + ", ".join(counts))
+    for r in range(world):
+        rep = reports.get(r)
+        if rep is None:
+            lines.append(f"  rank {r}: no report within {_REPORT_GRACE_S:g} s (stuck without releasing the "
+                         "interpreter, or already gone)")
+            continue
+        inside = [f"{e['name']} {what} for {s} s" for e in rep["engines"] for what, s in e["in"].items()]
+        lines.append(f"  rank {r} ({rep['host']} pid {rep['pid']}): "
+                     + ("in " + "; ".join(inside) if inside else "in no engine's collective region")
+                     + f"; main thread at {rep['at']}")
+    lines.append(
+        "  Fix: a forward, backward or step() that reaches an engine on some ranks only leaves its collectives "
+        "unmatched. Every rank must call the engine and use its outputs in the loss it backpropagates (multiply "
+        "an output by 0 to keep it in the graph on ranks that do not need it), and call step() on every rank. "
+        "If the engine's forward, backward or step legitimately takes longer, raise "
+        "{\"deepspeed_multi\": {\"watchdog_timeout_s\": N}} in its config (0 turns the watchdog off).")
+    return "\n".join(lines)

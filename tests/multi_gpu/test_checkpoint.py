@@ -1,0 +1,63 @@
+"""One checkpoint for a set of engines (deepspeed_multi/checkpoint.py): resume is bit-identical
+in fp32 at ZeRO 0-3 and mixed stages with Adam, in fp16 after overflow-skipped steps, and a job
+SIGKILLed anywhere inside a save resumes from a complete checkpoint, bit-identical to the
+uninterrupted run."""
+import os
+import signal
+
+import checkpoint_checks as checks
+from deepspeed_multi._launch import run_ranks_to_exit
+from harness import run_distributed
+
+
+def test_resume_is_bit_identical(tmp_path):
+    sets = sorted(checks.SETS)
+    run_distributed(checks.save_then_continue, str(tmp_path), sets)
+    run_distributed(_resume_then_window, str(tmp_path), sets)
+
+
+def test_fp16_resume_after_overflow_is_bit_identical(tmp_path):
+    """fp16 with dynamic loss scaling at ZeRO 0-3, saved after overflow-skipped steps lowered the
+    loss scale: the resumed run ends bit-identical (fp32 master weights, loss scale, the scaler's
+    hysteresis and overflow iteration, skipped-step count) through another overflow and a scale increase."""
+    sets = sorted(checks.FP16_SETS)
+    run_distributed(checks.save_then_continue, str(tmp_path), sets)
+    run_distributed(checks.resume_and_compare, str(tmp_path), sets)
+
+
+def _resume_then_window(root, sets):
+    checks.resume_and_compare(root, sets)
+    checks.save_refused_mid_window(root)
+
+
+def _logs(ranks):
+    def clean(log):
+        return "\n".join(line for line in log.splitlines() if "Warning" not in line and "return func" not in line)
+    return "\n".join(f"----- rank {r} (exit {x['exitcode']}) -----\n{clean(x['log'])[-4000:]}" for r, x in enumerate(ranks))
+
+
+# kill point -> whether the save it interrupts is complete (published by the rename)
+KILLS = {"before": False, "between_engines": False, "after_engines": False, "before_rename": False,
+         "before_latest": True}
+
+
+def test_kill_during_save(tmp_path):
+    root = str(tmp_path / "ckpt")
+    expected, incomplete = None, []
+    for i, (point, published) in enumerate(KILLS.items()):
+        tag = f"k{i}-{point}"
+        ranks = run_ranks_to_exit(checks.kill_round, root, expected, point, tag, world_size=2, timeout_s=240)
+        logs = _logs(ranks)
+        assert ranks[0]["exitcode"] == -signal.SIGKILL, f"rank 0 must die by SIGKILL at {point!r}:\n{logs}"
+        assert all(x["exitcode"] not in (None, 0) for x in ranks), logs
+        assert f"SAVING {tag}" in ranks[0]["log"], logs
+        if expected is not None:
+            assert f"RESUMED {expected} " in ranks[0]["log"], logs
+        if expected is None:
+            expected = "first"
+        if published:
+            expected = tag
+        elif point != "before":
+            incomplete.append(f".{tag}.staging")
+        assert not os.path.exists(os.path.join(root, tag)) or published, f"{point}: tag published too early"
+    run_distributed(checks.last_round, root, expected, incomplete)

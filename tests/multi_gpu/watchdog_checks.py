@@ -1,0 +1,74 @@
+"""Rank functions for test_watchdog.py (importable by the spawned ranks)."""
+import time
+
+import deepspeed.comm as dist
+import torch
+
+import deepspeed_multi
+from common import MLP, ds_config
+
+
+class Actor(MLP):
+    pass
+
+
+class Critic(MLP):
+    pass
+
+
+def _engine(cls, stage, timeout_s, seed):
+    model = cls(seed=seed)
+    cfg = ds_config(stage, deepspeed_multi={"watchdog_timeout_s": timeout_s})
+    return deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=cfg)[0]
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+def one_rank_skips_critic(stage, timeout_s, failed_backward_first, skip="update"):
+    """Actor -> Critic train together on every rank, then rank 0 alone runs a Critic-only update
+    (a PPO value epoch that rank 1 skips: its batch had no value targets) while rank 1 goes on
+    with rank-local work. Rank 0 then waits in Critic's first collective: its forward at ZeRO-3,
+    its backward's reduction at ZeRO-2, its step()'s rank-agreement all-reduce at ZeRO-0/1. The
+    watchdog must end both ranks; the test reads the message from the logs.
+
+    ``skip="step"``: every rank runs Critic's backward and rank 1 skips only its step(): rank 0
+    then waits in the update's collectives.
+
+    ``failed_backward_first``: a backward through both engines raises in a user hook (caught,
+    as a training loop that skips bad batches would) and every rank idles longer than the
+    timeout before the divergence: the stale "backward" mark must not fire.
+    """
+    actor, critic = _engine(Actor, stage, timeout_s, 1), _engine(Critic, stage, timeout_s, 2)
+    for step in range(2):
+        x, y = _batch(step)
+        ((critic(actor(x)) - y)**2).mean().backward()
+        actor.step()
+        critic.step()
+    if failed_backward_first:
+        handle = critic.module.fc2.weight.register_hook(_raise)
+        try:
+            ((critic(actor(x)) - y)**2).mean().backward()
+        except ValueError:
+            pass
+        handle.remove()
+        time.sleep(timeout_s + 2)
+        print(f"IDLE_DONE {time.time()}", flush=True)
+        actor.zero_grad()
+        critic.zero_grad()
+    if skip == "step":  # every rank runs the backward; rank 1 then skips Critic's step()
+        ((critic(x) - y)**2).mean().backward()
+    print(f"DIVERGE {time.time()}", flush=True)
+    if dist.get_rank() == 0:
+        if skip == "update":
+            ((critic(x) - y)**2).mean().backward()
+        critic.step()
+    time.sleep(10 * timeout_s + 60)  # rank-local work, no collective
+    raise AssertionError("the watchdog should have ended this rank")
+
+
+def _raise(grad):
+    raise ValueError("user hook failed")
