@@ -1,15 +1,17 @@
 """End-to-end effect of fused_zero: ZeRO-2 and ZeRO-3 training steps with the fused passes on vs off.
 
-Per stage, two engines are built side by side in the same processes (identical models; one with
-``{"deepspeed_multi": {"fused_reduce": true}}``, one with false) and stepped interleaved
+Per stage, three engines are built side by side in the same processes (identical models; one with
+``{"deepspeed_multi": {"fused_reduce": true}}``, one with false, and upstream ``deepspeed.initialize``
+stepped with ``engine.backward(loss)``, the baseline users have) and stepped interleaved
 (forward + backward + step, gradient_accumulation_steps micro-steps per sample), so both see
-the same machine state. The model has many small parameters (default 200 Linear(64, 64)),
+the same machine state. The model has many small parameters (default 200 Linear(32, 32), the model of issue 10),
 where per-parameter tensor ops dominate the bucket passes. Medians over the timed samples.
 
     python benchmarks/fused_reduce_e2e.py [--layers 200] [--dim 64] [--steps 20] [--gas 2]
 
 2 processes (torch.multiprocessing spawn, gloo on CPU; NCCL with one GPU per rank if available).
-Prints a table and ``RESULT e2e_z2=<off/on> e2e_z3=<off/on>`` (speedups: > 1 means fused is faster).
+Prints a table and ``RESULT e2e_z2=<off/on> e2e_z3=<off/on> vs_upstream_z2=<upstream/on> ..`` (speedups:
+> 1 means fused is faster; the ratios are medians of per-step paired ratios).
 """
 import argparse
 import os
@@ -52,25 +54,33 @@ def _worker(args):
     results = {}
     for stage in args.stages:
         engines = {}
-        for fused in (False, True):
+        for fused in (False, True, "upstream"):
             torch.manual_seed(0)
             model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
-            eng, opt, _, _ = deepspeed_multi.initialize(model=model, model_parameters=model.parameters(),
-                                                        config=_config(stage, fused, args.gas, args.bucket))
+            config = _config(stage, fused is True, args.gas, args.bucket)
+            if fused == "upstream":
+                import deepspeed
+                del config["deepspeed_multi"]
+                eng, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            else:
+                eng, opt, _, _ = deepspeed_multi.initialize(model=model, model_parameters=model.parameters(),
+                                                            config=config)
+                installed = "_dsm_fused_zero" in vars(opt)
+                assert installed == fused, f"stage {stage}: fused={fused} but installed={installed}"
             engines[fused] = eng
-            installed = "_dsm_fused_zero" in vars(opt)
-            assert installed == fused, f"stage {stage}: fused={fused} but installed={installed}"
-        times = {False: [], True: []}
+        names = list(engines)
+        times = {k: [] for k in names}
         x = torch.randn(8, args.dim, device=device)
         for it in range(args.warmup + args.steps):
-            order = (False, True) if it % 2 == 0 else (True, False)
-            for fused in order:
+            k = it % len(names)
+            for fused in names[k:] + names[:k]:
                 eng = engines[fused]
                 dist.barrier()
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(args.gas):
-                    eng(x).pow(2).mean().backward()
+                    loss = eng(x).pow(2).mean()
+                    eng.backward(loss) if fused == "upstream" else loss.backward()
                 eng.step()
                 sync()
                 dt = time.perf_counter() - t0
@@ -82,10 +92,14 @@ def _worker(args):
         p_on = torch.cat([p.ds_tensor.flatten() if hasattr(p, "ds_tensor") else p.flatten()
                           for p in engines[True].module.parameters()])
         max_diff = (p_off.float() - p_on.float()).abs().max().item()
-        med = {k: statistics.median(v) for k, v in times.items()}
-        t = torch.tensor([med[False], med[True]], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
-        results[stage] = (t[0].item(), t[1].item(), max_diff)
+        # The slowest rank sets each step's time; ratios are medians of per-step paired ratios.
+        t = torch.tensor([times[k] for k in names], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        per = dict(zip(names, t.tolist()))
+        med = {k: statistics.median(v) for k, v in per.items()}
+        paired = lambda a, b: statistics.median(x / y for x, y in zip(per[a], per[b]))  # noqa: E731
+        results[stage] = (med[False], med[True], max_diff, med["upstream"], paired(False, True),
+                          paired("upstream", True), paired("upstream", False))
         for eng in engines.values():
             eng.destroy()
         del engines
@@ -95,7 +109,7 @@ def _worker(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=200)
-    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--gas", type=int, default=2, help="micro-steps per optimizer step")
@@ -110,10 +124,12 @@ def main():
 
     print(f"\nfused_zero end to end: {args.layers} x Linear({args.dim}, {args.dim}), {args.world} ranks on {device}, "
           f"gas={args.gas}, bucket={args.bucket}, backend={backend}, median of {args.steps} steps")
-    print(f"{'stage':>6} {'off ms':>10} {'on ms':>10} {'off/on':>8} {'max |dw|':>10}")
-    for stage, (off, on, diff) in sorted(results.items()):
-        print(f"{'ZeRO-' + str(stage):>6} {off * 1e3:10.2f} {on * 1e3:10.2f} {off / on:8.3f} {diff:10.2e}")
-    fields = " ".join(f"e2e_z{stage}={off / on:.3f}" for stage, (off, on, _) in sorted(results.items()))
+    print("| stage | upstream ms | off ms | on ms | off/on | upstream/on | upstream/off | max abs(w_on - w_off) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for stage, (off, on, diff, up, r_off_on, r_up_on, r_up_off) in sorted(results.items()):
+        print(f"| ZeRO-{stage} | {up * 1e3:.2f} | {off * 1e3:.2f} | {on * 1e3:.2f} | {r_off_on:.3f} | {r_up_on:.3f} | "
+              f"{r_up_off:.3f} | {diff:.1e} |")
+    fields = " ".join(f"e2e_z{stage}={r[4]:.3f} vs_upstream_z{stage}={r[5]:.3f}" for stage, r in sorted(results.items()))
     print(f"RESULT {fields}")
 
 

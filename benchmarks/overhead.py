@@ -13,7 +13,12 @@ Prints a table and ``RESULT overhead_ratio_z1=.. overhead_ratio_z2=.. overhead_r
 (ours / upstream step time, fp32; goal <= 1.00 within noise), writes
 benchmarks/results/overhead.json and overhead.png.
 
-Usage: python benchmarks/overhead.py [--steps 15] [--warmup 4] [--no-memory] [--quick]
+``--watchdog`` measures the watchdog instead: a third variant, ours with
+``watchdog_timeout_s=0``, runs interleaved with the other two; the table gives ours (watchdog
+on, the default) / ours (off) as a paired ratio beside the upstream baseline of the same run,
+prints ``RESULT watchdog_ratio_z1=.. ..`` and writes results/overhead_watchdog.json.
+
+Usage: python benchmarks/overhead.py [--steps 15] [--warmup 4] [--no-memory] [--quick] [--watchdog]
 """
 from __future__ import annotations
 
@@ -24,8 +29,8 @@ import _bench as B
 D, LAYERS, SEQ, MICRO_BS = 256, 3, 32, 8
 
 
-def _make(initialize, stage, dtype, model):
-    return B.build_engine(initialize, model, B.ds_config(stage, dtype, micro_bs=MICRO_BS))
+def _make(initialize, stage, dtype, model, **extra):
+    return B.build_engine(initialize, model, B.ds_config(stage, dtype, micro_bs=MICRO_BS, **extra))
 
 
 def _batch(i, dev):
@@ -50,7 +55,7 @@ def _step_fn(kind, engine):
     return step
 
 
-def timing(configs, warmup, steps):
+def timing(configs, warmup, steps, watchdog_off_variant=False):
     """All (stage, dtype) configs in one pair of processes, one config at a time."""
     import gc
 
@@ -61,6 +66,9 @@ def timing(configs, warmup, steps):
         model = B.Tower(D, D, LAYERS, D, seed=1)
         engines = {"upstream": _make(deepspeed.initialize, stage, dtype, copy.deepcopy(model)),
                    "ours": _make(deepspeed_multi.initialize, stage, dtype, copy.deepcopy(model))}
+        if watchdog_off_variant:
+            engines["ours_watchdog_off"] = _make(deepspeed_multi.initialize, stage, dtype, copy.deepcopy(model),
+                                                 deepspeed_multi={"watchdog_timeout_s": 0})
         t = B.interleave({k: _step_fn(k, e) for k, e in engines.items()}, warmup, steps)
         out[(stage, dtype)] = {k: v["total"] for k, v in t.items()}
         engines.clear()
@@ -80,7 +88,10 @@ def main():
     ap = B.arg_parser(__doc__)
     ap.add_argument("--memory-bf16", action="store_true", help="also measure bf16 memory (6 more launches)")
     ap.add_argument("--quick", action="store_true", help="fp32 only, fewer steps")
+    ap.add_argument("--watchdog", action="store_true", help="ours with the watchdog on vs off (see above)")
     args = ap.parse_args()
+    if args.watchdog:
+        return watchdog_main(args)
     if args.quick:
         args.steps, args.warmup = 6, 2
     dtypes = ["fp32"] if args.quick else ["fp32", "bf16"]
@@ -125,6 +136,33 @@ def main():
 
     B.save("overhead", {"meta": B.meta(model_params=B.n_params(model), steps=args.steps, warmup=args.warmup),
                         "rows": data, "table": table, "result": result}, plot)
+    print(result)
+
+
+def watchdog_main(args):
+    """Watchdog on (default timeout) vs off, fp32 ZeRO 1-3, beside the upstream baseline of the same run."""
+    configs = [(stage, "fp32") for stage in (1, 2, 3)]
+    timings = B.launch(timing, configs, args.warmup, args.steps, True)[0]
+    rows, data = [], []
+    for stage, dtype in configs:
+        t = timings[(stage, dtype)]
+        rec = {"stage": stage, "dtype": dtype, **{f"{k}_ms": B.median(v) for k, v in t.items()},
+               "ratio_on_off": B.paired_ratio(t["ours"], t["ours_watchdog_off"]),
+               "ratio_on_upstream": B.paired_ratio(t["ours"], t["upstream"]),
+               "ratio_off_upstream": B.paired_ratio(t["ours_watchdog_off"], t["upstream"]), "raw_ms": t}
+        data.append(rec)
+        rows.append([f"ZeRO-{stage}", dtype, f"{rec['upstream_ms']:.1f}", f"{rec['ours_ms']:.1f}",
+                     f"{rec['ours_watchdog_off_ms']:.1f}", f"{rec['ratio_on_off']:.3f}",
+                     f"{rec['ratio_on_upstream']:.3f}", f"{rec['ratio_off_upstream']:.3f}"])
+    headers = ["stage", "dtype", "upstream ms", "ours, watchdog on ms", "ours, watchdog off ms",
+               "on/off (paired)", "on/upstream (paired)", "off/upstream (paired)"]
+    table = B.fmt_table(headers, rows)
+    print(f"\nWatchdog overhead: one engine, {LAYERS} blocks d={D}, micro-batch {MICRO_BS}x{SEQ}, 2 ranks, median "
+          f"of {args.steps} interleaved steps after {args.warmup} warm-up\n")
+    print(table)
+    result = "RESULT " + " ".join(f"watchdog_ratio_z{r['stage']}={r['ratio_on_off']:.3f}" for r in data)
+    B.save("overhead_watchdog", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "rows": data, "table": table,
+                                 "result": result})
     print(result)
 
 

@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops, zero2_pack
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +236,7 @@ def install(optimizer) -> bool:
             return False
         optimizer._dsm_fused_zero = {}
         _bind(optimizer, "allreduce_and_copy_with_multiple_ranks", _z2_allreduce_and_copy_with_multiple_ranks)
+        zero2_pack.install(optimizer)  # and the pass before the reduction: one pack per bucket
         _log_once("z2", "deepspeed_multi fused_zero: ZeRO-2 allreduce_and_copy_with_multiple_ranks (copy-back "
                   "into the IPG bucket and add into the fp32 grad partition) fused, backend %s",
                   ops.active_backend())
