@@ -18,11 +18,14 @@ The first gradient that reaches any boundary node of E in a backward pass calls
 ``E._pre_backward()``; it runs E's backward prologue and queues E's epilogue as a final
 callback of the autograd graph task, which runs once the whole backward has produced every
 gradient (whatever the order of hooks, parameters used twice, or reentrant checkpointing,
-whose inner backward runs nested inside the outer task).
+whose inner backward runs nested inside the outer task). Before it, and before anything
+else of the pass, ``misuse.check_dp_groups`` refuses a pass that reaches engines on different
+data-parallel groups.
 """
 import torch
 
 from ._tree import tree_map
+from .misuse import check_dp_groups
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -40,6 +43,7 @@ class _ScaleGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        check_dp_groups(ctx.engine)
         ctx.engine._pre_backward()
         return None, grad, None
 
@@ -71,6 +75,7 @@ class _OutputBoundary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         engine = ctx.engine
+        check_dp_groups(engine)  # first: before anything of this backward pass starts
         engine._before_output_backward(ctx.forward_record, create_graph=torch.is_grad_enabled())
         engine._pre_backward()
         factor = engine.grad_scale_factor()

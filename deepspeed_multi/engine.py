@@ -13,30 +13,16 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from . import fused_zero, grad_scale, zero3_counters, zero_buffers
+from . import _outside_use, fused_zero, grad_scale, misuse, watchdog, zero_hook_count, zero3_counters, zero_buffers
 from ._boundary import wrap_inputs, wrap_outputs
+from ._region import Region
+from ._tree import tree_tensors
 from ._state import TrainingState
 from .config import MultiOptions
+from .misuse import _any_param_in_current_graph, _in_backward
 from .skip_group import SkipGroup
 
 logger = logging.getLogger(__name__)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _any_param_in_current_graph(params) -> bool:
-    """Will the running backward accumulate into any of ``params``? Stops at the first one."""
-    from torch.autograd.graph import _get_grad_fn_or_grad_acc
-    with torch.enable_grad():  # leaf parameters need grad mode to hand out their AccumulateGrad
-        for param in params:
-            if not param.requires_grad:
-                continue
-            node = _get_grad_fn_or_grad_acc(param)
-            if node is not None and torch._C._will_engine_execute_node(node):
-                return True
-    return False
 
 
 class _ForwardRecord:
@@ -65,6 +51,7 @@ class MultiEngine(DeepSpeedEngine):
         if isinstance(self.optimizer, ZeROOptimizer):
             # The epilogue runs from our own graph-task callback (see _boundary).
             self.optimizer.unregister_grad_acc_post_hooks()
+            zero_hook_count.install(self.optimizer)  # ZeRO-1/2: the per-backward parameter count, cached
         self._state = TrainingState.IDLE
         # Micro-steps since the last update. DeepSpeed runs unmanaged (every super().step()
         # updates); this engine keeps DeepSpeed's managed meaning of gradient_accumulation_steps
@@ -75,6 +62,13 @@ class MultiEngine(DeepSpeedEngine):
         # One tiny all-reduce per update at ZeRO 0/1; DSM_CHECK_RANK_AGREEMENT=0 turns it off.
         self.check_rank_agreement = os.environ.get("DSM_CHECK_RANK_AGREEMENT", "1") != "0"
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
+        # The region: engine(...) and every call of a submodule made outside it (_region.py);
+        # gradients that reach a parameter without crossing it raise (_outside_use.py).
+        self._region = Region()
+        self._region.install(self)
+        self._boundary_crossed = False
+        self._leftovers_task = None
+        _outside_use.install(self)
         zero_buffers.start_window(self.optimizer)
         if self.options.fused_reduce:
             fused_zero.install(self.optimizer)
@@ -82,16 +76,32 @@ class MultiEngine(DeepSpeedEngine):
         if self.options.skip_group is not None and self.trains:
             self.skip_group = SkipGroup.named(self.options.skip_group)
             self.skip_group.add(self)
+        self.watchdog = watchdog.attach(self)  # marks this engine's collective regions (watchdog.py)
+        misuse.install_outer_engine_guard(self)  # deepspeed.initialize(model=<this engine>)
+        misuse.register_dp_group(self)  # checked where a backward pass first reaches an engine
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
         self._recover_from_failed_backward()
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
-        if self.zero_optimization_stage() != 3 or not torch.is_grad_enabled():
-            return wrap_outputs(self, super().forward(*inputs, **kwargs), _ForwardRecord())
-        before = zero3_counters.snapshot(self.module)
-        outputs = super().forward(*inputs, **kwargs)
-        return wrap_outputs(self, outputs, _ForwardRecord(zero3_counters.armed_by_forward(before, self.module)))
+        zero3 = self.zero_optimization_stage() == 3 and torch.is_grad_enabled()
+        before = zero3_counters.snapshot(self.module) if zero3 else None
+        self._region.depth += 1
+        try:
+            outputs = super().forward(*inputs, **kwargs)
+        finally:
+            self._region.depth -= 1
+        if self.zero_optimization_stage() == 3 and not any(t.requires_grad for t in tree_tensors(outputs)):
+            self._drain_zero3_prefetch()  # no backward can follow this forward
+        return self._wrap_forward_outputs(self.module, outputs, before)
+
+    def _wrap_forward_outputs(self, module, outputs, zero3_before):
+        """Output boundary nodes for one forward of ``module`` (this engine's module, or a submodule
+        called outside engine(...)); ``zero3_before`` is its ZeRO-3 counter snapshot, or None."""
+        if zero3_before is None:
+            return wrap_outputs(self, outputs, _ForwardRecord())
+        outputs = zero3_counters.cover_outputs(module, outputs)
+        return wrap_outputs(self, outputs, _ForwardRecord(zero3_counters.armed_by_forward(zero3_before, module)))
 
     # DeepSpeed's own output hooks (registered by DeepSpeedEngine.forward) call these two;
     # the boundary nodes replace them, so they do nothing here.
@@ -124,6 +134,12 @@ class MultiEngine(DeepSpeedEngine):
             return
         if first_in_task and len(record.graph_tasks) > 1:
             zero3_counters.rearm(record.zero3_armed)
+        if not self.trains and self._leftovers_task != task:
+            # A frozen ZeRO-3 engine runs no optimizer epilogue, whose last act releases the
+            # submodules whose post-backward release never fired (a module called twice in one
+            # forward); without it they stay gathered and a later release refuses to free them.
+            self._leftovers_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_frozen_zero3_backward)
         if create_graph:
             raise RuntimeError(
                 f"MultiEngine ({self._engine_name()}, ZeRO stage 3): backward with create_graph=True (double "
@@ -136,11 +152,23 @@ class MultiEngine(DeepSpeedEngine):
 
     def _pre_backward(self):
         """First gradient reached this engine in a backward pass: run the prologue once."""
+        self.watchdog.backward_reached()
         if self._state is TrainingState.IN_BACKWARD or not self.trains:
             return
         if not _any_param_in_current_graph(self._trainable_params):
-            # e.g. torch.autograd.grad(loss, inputs) or a backward that stops above the params.
+            # e.g. torch.autograd.grad(loss, inputs), a backward that stops above the params, or
+            # params reached only by the nested pass of reentrant checkpointing (_outside_use.py).
+            if not self._boundary_crossed:
+                self._boundary_crossed = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._close_boundary_crossing)
             return
+        self._start_backward()
+
+    def _close_boundary_crossing(self):
+        self._boundary_crossed = False
+
+    def _start_backward(self):
+        """Run the prologue for this backward pass and queue the epilogue at its end."""
         self._state = TrainingState.IN_BACKWARD
         self._window_backwards += 1
         if isinstance(self.optimizer, ZeROOptimizer):
@@ -156,9 +184,12 @@ class MultiEngine(DeepSpeedEngine):
             DeepSpeedEngine._backward_epilogue(self)
         finally:
             self._state = TrainingState.GRADS_READY
+            self.watchdog.leave("backward")
 
     def _recover_from_failed_backward(self):
         """Called from forward() and zero_grad(): clean up after a backward that raised part way."""
+        if not _in_backward():
+            self._boundary_crossed = False
         if self._state is TrainingState.IN_BACKWARD and not _in_backward():
             logger.warning("deepspeed_multi: a backward pass through this engine raised before it finished; "
                            "its partial gradients are discarded.")
@@ -177,7 +208,9 @@ class MultiEngine(DeepSpeedEngine):
             raise ValueError("MultiEngine.backward(scale_wrt_gas=False) is not supported: the engine divides by "
                              "gradient_accumulation_steps at its boundary. Call loss.backward() on a loss you "
                              "have multiplied by gradient_accumulation_steps instead.")
+        misuse.check_not_backpropagated(self, loss)
         loss.backward(retain_graph=retain_graph)
+        misuse.mark_backpropagated(self, loss)
         return loss / self.gradient_accumulation_steps()
 
     def scale(self, loss):
@@ -185,12 +218,11 @@ class MultiEngine(DeepSpeedEngine):
         return loss
 
     def _check_can_step(self, what):
+        misuse.refuse_inside_backward(self, what)
         if self._state is TrainingState.IN_BACKWARD:
-            if _in_backward():
-                raise RuntimeError(f"{what} called while a backward pass is still producing this engine's "
-                                   "gradients; call it after loss.backward() returns.")
-            raise RuntimeError(f"{what} called after a backward pass through this engine failed part way; "
-                               "call engine.zero_grad() to discard its partial gradients, then run it again.")
+            raise RuntimeError(f"MultiEngine ({self._engine_name()}): {what} called after a backward pass through "
+                               "this engine failed part way; call engine.zero_grad() to discard its partial "
+                               "gradients, then run it again.")
 
     def is_update_boundary(self) -> bool:
         """True when the next step() applies an update (end of the gradient-accumulation window)."""
@@ -213,6 +245,10 @@ class MultiEngine(DeepSpeedEngine):
             with super().no_sync():
                 yield
 
+    def allreduce_gradients(self, *args, **kwargs):
+        with misuse.own_dp_group(self):  # ZeRO-0 reduces over DeepSpeed's process-wide group
+            super().allreduce_gradients(*args, **kwargs)
+
     def _check_ranks_agree(self):
         """Every rank must have run the same number of backward passes through this engine.
 
@@ -233,19 +269,23 @@ class MultiEngine(DeepSpeedEngine):
                 "Every rank must use the engine's outputs in the loss it backpropagates (multiply by 0 to keep "
                 "an output in the graph on ranks that do not need it).")
 
+    @watchdog.watched("step")
     def step(self, lr_kwargs=None):
         if not self.has_optimizer:
             raise RuntimeError(f"MultiEngine ({self._engine_name()}) is inference-only: it was built without an "
                                "optimizer, so step() has nothing to update. Pass optimizer=... (or an \"optimizer\" "
                                "config section) to deepspeed_multi.initialize to train it.")
         self._check_can_step("step()")
+        self._drain_zero3_prefetch()
         if not self.is_update_boundary():
             self._window_micro_steps += 1
             self.micro_steps += 1
             return
         self._window_micro_steps = 0
+        misuse.check_requires_grad_unchanged(self)
         if self.trains and self.check_rank_agreement and not self.zero_optimization_partition_gradients():
             self._check_ranks_agree()
+        accumulated = self._window_backwards > 0
         self._window_backwards = 0
         if self.skip_group is not None:
             skip = self.skip_group.should_skip(self)
@@ -254,9 +294,75 @@ class MultiEngine(DeepSpeedEngine):
             if skip:
                 self._skip_update()
                 return
-        super().step(lr_kwargs)
+        if not accumulated:
+            self._step_without_gradients(lr_kwargs)
+            return
+        try:
+            super().step(lr_kwargs)
+        except BaseException:
+            self._abort_step()
+            raise
         zero_buffers.start_window(self.optimizer)
         self._state = TrainingState.IDLE
+
+    def _step_without_gradients(self, lr_kwargs):
+        """An update with nothing accumulated since the last one, as in PyTorch.
+
+        [Note: step() with no gradients]
+        ``optimizer.step()`` skips every parameter whose ``.grad`` is None, so after a window in
+        which no backward pass reached the engine (a skipped batch, a branch not taken, only
+        ``torch.autograd.grad`` of inputs, or ``zero_grad()`` last) parameters and optimizer
+        state stay as they are, while the step counters and the LR schedule advance. DeepSpeed's
+        own step() would index gradient partitions that were never created. Ranks agree: at
+        ZeRO 0/1 the rank-agreement check above compares the counts; at ZeRO 2/3 a rank that
+        ran a backward pass through the engine has completed that pass's reduction collectives,
+        which every rank must have entered too.
+        """
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.micro_steps += 1
+        self._step_applied = False
+        self._state = TrainingState.IDLE
+
+    def _abort_step(self):
+        """DeepSpeed's step() raised: undo what it leaves half-set and discard this window.
+
+        Its ``_running_engine_step`` flag, which in unmanaged accumulation is also what
+        ``is_gradient_accumulation_boundary()`` returns, would stay set and send every later
+        backward down the update path; its step timers would stay started. The window's
+        gradients are discarded (as ``zero_grad()`` does), so the next backward starts a clean
+        window. An optimizer that raised after updating part of its parameters keeps that part.
+        """
+        self._running_engine_step = False
+        for name in self.engine_timers.step_timers:
+            timer = self.timers(name)
+            if getattr(timer, "started_", False):
+                timer.stop()
+        logger.warning("deepspeed_multi: %s.step() raised; this window's gradients are discarded.",
+                       self._engine_name())
+        self.zero_grad()
+
+    def _after_frozen_zero3_backward(self):
+        self.optimizer.release_backward_leftovers()
+        self._drain_zero3_prefetch()
+
+    def _drain_zero3_prefetch(self):
+        """Wait for and release ZeRO-3 prefetches that no forward will consume.
+
+        ZeRO-3 prefetches the parameters of the submodule its trace expects next and drains what
+        is left only at the start of the next forward of the root module. A submodule called
+        outside engine(...) (the LLaVA embedding) is in that trace, so the last forward of a
+        loop leaves its prefetch in flight, and the next partition (the update, GatheredParameters,
+        a checkpoint) fails with "Cannot partition a param in flight"; upstream does the same.
+        Drained where no compute of this engine runs and none is prefetched for: step(),
+        zero_grad(), the end of a forward no backward can follow (no output requires grad), and
+        the end of a backward through a frozen engine. A frozen engine whose outputs require grad
+        but are never backpropagated keeps upstream's behaviour until its next forward.
+        """
+        if self.zero_optimization_stage() == 3:
+            offload = getattr(self.optimizer, "parameter_offload", self.optimizer)
+            offload.get_param_coordinator()._clean_inflight_param_registry()
 
     def _skip_update(self):
         """Drop this window's gradients without updating, as DeepSpeed does on an fp16 overflow."""
@@ -271,9 +377,9 @@ class MultiEngine(DeepSpeedEngine):
 
     def zero_grad(self):
         """Discard every gradient accumulated since the last step, like ``nn.Module.zero_grad``."""
-        if self._state is TrainingState.IN_BACKWARD and _in_backward():
-            raise RuntimeError("zero_grad() called while a backward pass is producing this engine's gradients.")
+        misuse.refuse_inside_backward(self, "zero_grad()")
         self._recover_from_failed_backward()
+        self._drain_zero3_prefetch()
         super().zero_grad()
         zero_buffers.discard(self.optimizer)
         if self.skip_group is not None:

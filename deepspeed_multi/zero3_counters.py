@@ -13,7 +13,32 @@ from typing import Dict, Tuple
 
 import torch
 
+from ._tree import tree_map
+
 _PRE, _POST = "applied_pre_backward_ref_cnt", "ds_grads_remaining"
+
+
+def cover_outputs(module: torch.nn.Module, outputs):
+    """Give ZeRO-3's pre-backward gather to output tensors its own forward hook could not see.
+
+    ZeRO-3's forward hook applies the module's ``pre_bwd_fn`` (gather before this module's
+    backward, counted in ``applied_pre_backward_ref_cnt``) to the tensors of tuples, lists and
+    dicts only; tensors inside a dataclass output get none. The module's post-backward release
+    (on its inputs) still fires, on parameters that were never gathered for backward: DeepSpeed
+    asserts "active_backward_submodules is empty" (or the backward runs on released parameters).
+    Our tree walk sees every tensor, so the ones ZeRO-3 missed get the same node here.
+    """
+    fn = module.__dict__.get("pre_bwd_fn")
+    if fn is None:
+        return outputs
+    covered = fn._backward_cls
+
+    def cover(t):
+        if t.requires_grad and not isinstance(t.grad_fn, covered):
+            return fn.apply(t)
+        return t
+
+    return tree_map(cover, outputs)
 
 
 def snapshot(module: torch.nn.Module) -> Dict[torch.nn.Module, Tuple[int, int]]:

@@ -98,3 +98,44 @@ class InplaceInputMLP(MLP):
     def forward(self, x):
         x.mul_(2.0)
         return super().forward(x)
+
+
+class EmbBody(nn.Module):
+    """``emb`` is meant to be called by the user outside ``engine(...)``; forward runs only ``body``.
+
+    With ``tied=True`` a ``head`` inside forward shares ``emb``'s weight, so one parameter is
+    reached both inside and outside ``engine(...)`` in one backward (tied input/output embeddings).
+    """
+
+    def __init__(self, seed=0, tied=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = nn.Linear(8, 8)
+        self.body = MLP(seed=seed + 1)
+        self.head = nn.Linear(8, 8, bias=False) if tied else None
+        with torch.no_grad():
+            for p in (self.emb.weight, self.emb.bias):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, h):
+        out = self.body(h)
+        return self.head(out.to(self.emb.weight.dtype)).float() if self.head is not None else out
+
+
+def tiny_causal_lm(arch="gpt2", seed=0):
+    """A Hugging Face causal LM from a tiny config with random weights (nothing is downloaded)."""
+    import transformers
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                          use_cache=False, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    return model

@@ -20,6 +20,17 @@ import scenarios  # noqa: E402
 from harness import run_distributed  # noqa: E402
 
 
+def print_table(first, columns, table, cell, json_path=None):
+    """A markdown table ``first | column... `` with one row per ``table`` entry (``cell(row, column)``
+    per cell), printed; ``table`` also written to ``json_path`` as JSON when given."""
+    print(f"| {first} | " + " | ".join(title for title, _ in columns) + " |\n|" + " --- |" * (len(columns) + 1))
+    for name, row in table.items():
+        print(f"| {name} | " + " | ".join(cell(row, key) for _, key in columns) + " |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(table, f, indent=1)
+
+
 def _summary(report):
     parts = []
     for name, value in report.items():
@@ -72,12 +83,8 @@ def main():
             for n in names:
                 table.setdefault(n, {})[which] = done.get(n, "not run (an earlier scenario of its group hung)")
             print(f"[{which}] {group}: {len(done)}/{len(names)} in {time.time() - start:.0f}s", file=sys.stderr)
-    print("| scenario | upstream | deepspeed_multi |\n| --- | --- | --- |")
-    for n, row in table.items():
-        print(f"| {n} | {row.get('upstream', '')} | {row.get('ours', '')} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(table, f, indent=1)
+    print_table("scenario", [("upstream", "upstream"), ("deepspeed_multi", "ours")], table,
+                lambda row, key: str(row.get(key, "")), args.json)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from common import MLP, Member, Phase, Scenario, ds_config
 from common import default_batch
-from models import CheckpointedMLP, InplaceInputMLP, Scalar, StructuredMLP, TwoHeads, structured_out
+from models import CheckpointedMLP, EmbBody, InplaceInputMLP, Scalar, StructuredMLP, TwoHeads, structured_out
+from models import tiny_causal_lm
 
 
 def mlp(seed, **kw):
@@ -16,6 +17,22 @@ def mlp(seed, **kw):
 
 def mse(out, y):
     return ((out - y)**2).mean()
+
+
+def mod(model):
+    """The module inside an engine, or the plain module itself (the reference)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    return model.module if isinstance(model, DeepSpeedEngine) else model
+
+
+def _with_step(batch_fn):
+
+    def batch(step, rank):
+        out = batch_fn(step, rank)
+        out["step"] = torch.tensor(step)
+        return out
+
+    return batch
 
 
 def _single(stage, dtype="fp32", gas=1):
@@ -106,6 +123,37 @@ def _structured(kind, stage=2):
     return Scenario(members={"a": Member(mlp(1), ds_config(2)),
                              "b": Member(functools.partial(StructuredMLP, kind=kind, seed=2), ds_config(stage))},
                     phases=[Phase(loss)])
+
+
+def _twice_retain(stage):
+    """E(E(x)), then a second backward pass through the retained graph (the shape of fuzz seed 27)."""
+
+    def first(m, b, c):
+        c["out"] = m["a"](m["a"](b["x"]))
+        return mse(c["out"], b["y"])
+
+    def second(m, b, c):
+        return c["out"].pow(2).mean()
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage))},
+                    phases=[Phase(first, retain_graph=True, after=()), Phase(second)])
+
+
+def _frozen_twice(stage):
+    """A frozen engine called twice in a row in the gradient path (found by the fuzzer, seed 65)."""
+
+    def loss(m, b, c):
+        return mse(m["llm"](m["llm"](m["proj"](b["x"]))), b["y"])
+
+    return Scenario(members={"proj": Member(mlp(1), ds_config(2)),
+                             "llm": Member(mlp(2), ds_config(stage), trainable=False)},
+                    phases=[Phase(loss)])
+
+
+def _fuzz_program(seed, profile="fp32"):
+    """A program the differential fuzzer (fuzz.py) found failing, kept as a row of its own."""
+    import fuzz
+    return fuzz.build(fuzz.draw(seed, profile))
 
 
 def _two_backward(stage, retain=False, gas=1):
@@ -226,6 +274,83 @@ def _hooks(stage):
                     phases=[Phase(loss)])
 
 
+def _outside_call(stage, dtype="fp32", gas=2, tied=False):
+    """A submodule called by the user outside engine(...) (the issue-7 reproduction), optionally
+    sharing its weight with a head used inside forward (tied embeddings)."""
+
+    def loss(m, b, c):
+        emb = mod(m["a"]).emb
+        return mse(m["a"](emb(b["x"].to(emb.weight.dtype))), b["y"])
+
+    return Scenario(members={"a": Member(functools.partial(EmbBody, seed=1, tied=tied), ds_config(stage, dtype, gas))},
+                    phases=[Phase(loss)], dtype=dtype)
+
+
+def _llava_batch(step, rank):
+    out = default_batch(step, rank)
+    out["ids"] = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(7000 + 1000 * step + rank))
+    return out
+
+
+def _llava(stage, dtype="fp32", gas=2, arch="gpt2"):
+    """Seed 001 / LLaVA: image features from a ZeRO-2 encoder are concatenated with the LLM's own
+    input embeddings (its embedding module called outside engine(...)), then llm(inputs_embeds=...)."""
+
+    def loss(m, b, c):
+        text = mod(m["llm"]).get_input_embeddings()(b["ids"])
+        image = m["vision"](b["x"]).to(text.dtype).unsqueeze(1)
+        labels = torch.cat([torch.full_like(b["ids"][:, :1], -100), b["ids"]], dim=1)
+        return m["llm"](inputs_embeds=torch.cat([image, text], dim=1), labels=labels).loss.float()
+
+    return Scenario(members={"vision": Member(mlp(1, d_out=16), ds_config(2, dtype, gas)),
+                             "llm": Member(functools.partial(tiny_causal_lm, arch, seed=2), ds_config(stage, dtype, gas))},
+                    phases=[Phase(loss)], batch=_llava_batch, dtype=dtype)
+
+
+def _step_no_backward(stage):
+    """``a`` (gas 2) is used on two micro-steps out of four, so every other window has no backward
+    through it; ``c`` is never used; every engine's step() runs on every micro-step."""
+
+    def loss(m, b, c):
+        h = m["b"](b["x"])
+        if int(b["step"]) % 4 < 2:
+            h = m["a"](h)
+        return mse(h, b["y"])
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage, gas=2)), "b": Member(mlp(2), ds_config(2)),
+                             "c": Member(mlp(3), ds_config(stage))},
+                    phases=[Phase(loss)], batch=_with_step(default_batch), micro_steps=8)
+
+
+def _grad_inputs_only(stage):
+    """torch.autograd.grad of an input only (no parameter gradient), then an ordinary backward."""
+
+    def input_grad(m, b, c):
+        x = b["x"].clone().requires_grad_(True)
+        torch.autograd.grad(mse(m["b"](m["a"](x)), b["y"]), x)
+        return None
+
+    def loss(m, b, c):
+        return mse(m["b"](m["a"](b["x"])), b["y"])
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage)), "b": Member(mlp(2), ds_config(stage, gas=2))},
+                    phases=[Phase(input_grad, after=(("step", "a"), ("step", "b"))), Phase(loss)])
+
+
+def _direct_param(stage):
+    """A parameter used as a tensor outside any module call: must raise, never be silently wrong."""
+
+    def loss(m, b, c):
+        import deepspeed
+        fc = mod(m["a"]).fc1
+        with deepspeed.zero.GatheredParameters([fc.weight, fc.bias]):
+            direct = F.linear(b["x"], fc.weight, fc.bias).pow(2).mean()
+        return mse(m["b"](b["x"]), b["y"]) + direct
+
+    return Scenario(members={"a": Member(mlp(1), ds_config(stage, gas=2)), "b": Member(mlp(2), ds_config(2))},
+                    phases=[Phase(loss)])
+
+
 def _with_options(scenario, **options):
     """The same scenario with deepspeed_multi options in every member's config."""
     for member in scenario.members.values():
@@ -265,6 +390,7 @@ SCENARIOS.update({
 for s in range(4):
     SCENARIOS[f"twice-nested-z{s}"] = functools.partial(_twice, s)
     SCENARIOS[f"twice-sum-z{s}"] = functools.partial(_twice, s, False)
+    SCENARIOS[f"twice-nested-retain-z{s}"] = functools.partial(_twice_retain, s)
     SCENARIOS[f"two-backward-z{s}"] = functools.partial(_two_backward, s)
     SCENARIOS[f"two-backward-retain-z{s}"] = functools.partial(_two_backward, s, True)
     SCENARIOS[f"zero-grad-discards-z{s}"] = functools.partial(_zero_grad_discards, s)
@@ -284,11 +410,43 @@ SCENARIOS["two-backward-z2-gas2"] = functools.partial(_two_backward, 2, gas=2)
 SCENARIOS["grad-penalty-z2-gas2"] = functools.partial(_grad_penalty, 2, gas=2)
 for kind in ("dict", "dataclass", "namedtuple", "list"):
     SCENARIOS[f"outputs-{kind}-z3"] = functools.partial(_structured, kind)
+# Issue 7: graphs real code makes.
+for s in range(4):
+    SCENARIOS[f"outside-call-z{s}-gas2"] = functools.partial(_outside_call, s)
+    SCENARIOS[f"outside-call-z{s}-fp16-gas2"] = functools.partial(_outside_call, s, "fp16")
+    SCENARIOS[f"outside-call-tied-z{s}-gas2"] = functools.partial(_outside_call, s, tied=True)
+    SCENARIOS[f"llava-gpt2-z{s}-gas2"] = functools.partial(_llava, s)
+    SCENARIOS[f"llava-gpt2-z{s}-fp16-gas2"] = functools.partial(_llava, s, "fp16")
+    SCENARIOS[f"step-no-backward-z{s}"] = functools.partial(_step_no_backward, s)
+    SCENARIOS[f"grad-inputs-only-z{s}"] = functools.partial(_grad_inputs_only, s)
+    SCENARIOS[f"direct-param-z{s}"] = functools.partial(_direct_param, s)
+# Found by the fuzzer (the seeds replay with `make fuzz SEED=N`): ZeRO-3 dataclass outputs got no
+# pre-backward gather (27, 54); a frozen ZeRO-3 engine kept submodules gathered after backward (65).
+SCENARIOS["fuzz-27-z3-twice-retain-dataclass"] = functools.partial(_fuzz_program, 27)
+SCENARIOS["fuzz-54-z3-dataclass-outside-call"] = functools.partial(_fuzz_program, 54)
+SCENARIOS["fuzz-65-z3-frozen-twice-dataclass"] = functools.partial(_fuzz_program, 65)
+# ZeRO-3 leaves a prefetch in flight after the last forward when a submodule is called outside
+# engine(...), and the next partition fails (upstream too): trained (385, 344) and frozen forward-only (487).
+SCENARIOS["fuzz-385-z3-outside-call-forward-only"] = functools.partial(_fuzz_program, 385)
+SCENARIOS["fuzz-344-z3-frozen-outside-call-retain"] = functools.partial(_fuzz_program, 344)
+SCENARIOS["fuzz-487-z3-frozen-outside-call-no-grad-path"] = functools.partial(_fuzz_program, 487)
+# A stage-0 bf16 engine was compared on its bf16 weights, where small updates round away (320).
+SCENARIOS["fuzz-320-z0-bf16-outside-call"] = functools.partial(_fuzz_program, 320, "bf16")
+for s in range(4):
+    SCENARIOS[f"frozen-twice-z{s}"] = functools.partial(_frozen_twice, s)
+SCENARIOS["outside-call-z3-bf16-gas2"] = functools.partial(_outside_call, 3, "bf16")
+SCENARIOS["outside-call-tied-z3-fp16-gas3"] = functools.partial(_outside_call, 3, "fp16", 3, True)
+SCENARIOS["llava-llama-z3-gas2"] = functools.partial(_llava, 3, arch="llama")
+SCENARIOS["llava-llama-z3-fp16-gas2"] = functools.partial(_llava, 3, "fp16", arch="llama")
 
 
 # Scenarios that cannot work and must fail with a clear error instead: name -> text of the error.
 EXPECTED_ERRORS = {
     "grad-penalty-z3": "create_graph=True",
+    **{f"direct-param-z{s}": "never crossed this engine's boundary" for s in range(3)},
+    # ZeRO-3 re-partitions the parameter when GatheredParameters exits, so the direct use's own
+    # backward fails inside autograd (torch's shape error) before any gradient reaches it.
+    "direct-param-z3": "must match the size of tensor",
 }
 
 

@@ -1,0 +1,93 @@
+"""The engine's region is every computation by its parameters, not only ``engine(...)``.
+
+[Note: submodule calls outside engine(...)]
+Multimodal and prompt-tuning code calls submodules of an engine directly, e.g. the LLaVA
+pattern ``embeds = llm.module.get_input_embeddings()(input_ids)`` before ``llm(inputs_embeds=
+...)``, or an ``lm_head`` the user applies to hidden states. Such a call computes with the
+engine's parameters, so it belongs to the engine's region (see [Note: gradient scale is a
+property of the engine's region of the graph] in _boundary.py): without boundary nodes its
+parameters would see the true gradient instead of f_E times it (gradient_accumulation_steps
+times too large, 1/loss_scale too small in fp16), silently.
+
+So every submodule of ``engine.module`` (the root included) carries a forward pre-hook and a
+forward hook. A call made while no region of this engine is open (not inside
+``engine.forward``, not inside another outside call) opens one: its tensor inputs go through
+input boundary nodes and its outputs through output boundary nodes, exactly as for
+``engine(...)``; calls nested inside it are part of it. Calls made under ``no_grad`` or during
+a backward pass (the recomputation of activation checkpointing, reentrant or not, runs there)
+are left alone: no gradient can cross them, or the gradient already crossed the boundary that
+was open when the checkpointed forward first ran.
+
+The hooks are registered after ZeRO-3's own forward hooks, so the boundary nodes sit outside
+ZeRO-3's gather/release nodes: in backward the prologue runs before ZeRO-3 gathers.
+
+A parameter used directly as a tensor, not through a module call, is not seen by these hooks;
+see _outside_use.py.
+"""
+import weakref
+
+import torch
+
+from . import zero3_counters
+from ._boundary import wrap_inputs
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Region:
+    """Which region of one engine is open; owned by the engine (``engine._region``)."""
+
+    __slots__ = ("depth", "_outside_calls", "_handles", "__weakref__")
+
+    def __init__(self):
+        self.depth = 0  # > 0 while engine.forward or an outside call runs
+        self._outside_calls = []  # stack of (module, ZeRO-3 counter snapshot) for open outside calls
+        self._handles = []
+
+    def install(self, engine) -> None:
+        engine_ref = weakref.ref(engine)
+        region_ref = weakref.ref(self)
+        for module in engine.module.modules():
+            self._handles.append(module.register_forward_pre_hook(
+                _make_pre_forward(engine_ref, region_ref), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                _make_post_forward(engine_ref, region_ref), with_kwargs=True, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _make_pre_forward(engine_ref, region_ref):
+
+    def _pre_forward_outside_call(module, args, kwargs):
+        region = region_ref()
+        if region is None or region.depth or not torch.is_grad_enabled() or _in_backward():
+            return None
+        engine = engine_ref()
+        region.depth += 1
+        zero3 = engine.zero_optimization_stage() == 3
+        region._outside_calls.append((module, zero3_counters.snapshot(module) if zero3 else None))
+        engine._recover_from_failed_backward()
+        return wrap_inputs(engine, args, kwargs)
+
+    return _pre_forward_outside_call
+
+
+def _make_post_forward(engine_ref, region_ref):
+
+    def _post_forward_outside_call(module, args, kwargs, output):
+        region = region_ref()
+        if region is None or not region._outside_calls or region._outside_calls[-1][0] is not module:
+            return None
+        _, before = region._outside_calls.pop()
+        region.depth -= 1
+        if output is None:  # always_call: the forward raised; the region is closed, nothing to wrap
+            return None
+        engine = engine_ref()
+        return engine._wrap_forward_outputs(module, output, before)
+
+    return _post_forward_outside_call

@@ -1,0 +1,21 @@
+"""The differential fuzzer's fixed CI budget: the same seeds every run, so CI is deterministic.
+
+``make fuzz`` runs as many programs as asked (see fuzz.py); a failure prints its replay command.
+"""
+import fuzz
+from harness import run_distributed
+
+FP32_SEEDS = range(0, 48)
+# 3745, 3995 and 7243: three or four nested bf16 engines whose input gradient is right as a
+# whole but failed a fixed bound (element-wise; then a 5% norm bound that plain bf16 PyTorch
+# itself nearly misses): kept so the 16-bit measure stays relative to plain 16-bit PyTorch.
+BF16_SEEDS = list(range(0, 12)) + [3745, 3995, 7243]
+
+
+def _both():
+    fuzz.check_many(FP32_SEEDS, "fp32")
+    fuzz.check_many(BF16_SEEDS, "bf16")
+
+
+def test_fuzz_fixed_seeds():
+    run_distributed(_both, world_size=fuzz.WORLD_SIZE, timeout_s=600)
