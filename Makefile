@@ -10,17 +10,20 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export DSM_BUILD_DIR ?= $(abspath $(VENV))/dsm_build
 
-.PHONY: setup test test-unit test-multi demo bench clean
+.PHONY: setup test test-unit test-multi demo bench fuzz clean
 
 setup: $(STAMP)
 
+# Everything after torch is installed under a constraint that holds torch at TORCH_SPEC, so that
+# nothing (accelerate, transformers, deepspeed) can replace or upgrade it.
 $(STAMP): setup.py Makefile requirements-test.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -r requirements-test.txt
+	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt "$(TORCH_SPEC)" -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .
-	$(PY) -c "import torch, deepspeed, deepspeed_multi; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+	$(PY) -c "import torch, deepspeed, accelerate, transformers, deepspeed_multi; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 test: setup
@@ -34,6 +37,14 @@ test-multi: setup
 
 demo: setup
 	DS_ACCELERATOR=cpu $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py
+
+# The differential fuzzer (tests/multi_gpu/fuzz.py): `make fuzz SEED=N [PROFILE=bf16]` replays one
+# program; `make fuzz [FUZZ_SECONDS=600] [FUZZ_START=N]` runs new programs for that long.
+FUZZ_SECONDS ?= 600
+FUZZ_START ?= 100000
+PROFILE ?= fp32
+fuzz: setup
+	DS_ACCELERATOR=cpu $(PY) tests/multi_gpu/fuzz.py $(if $(SEED),--seed $(SEED) --profile $(PROFILE),--seconds $(FUZZ_SECONDS) --start $(FUZZ_START))
 
 bench: setup
 	PYTHON=$(PY) bash benchmarks/run_all.sh

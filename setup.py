@@ -31,5 +31,10 @@ setup(
         "deepspeed>=0.19.8,<0.20",
         "ninja",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout"]},
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        # deepspeed_multi.accelerate and Transformers support in zero_init. Install torch first:
+        # these never pull a torch then (their torch requirement is already met).
+        "hf": ["accelerate==1.15.0", "transformers==5.23.0"],
+    },
 )

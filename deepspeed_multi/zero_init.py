@@ -3,21 +3,35 @@
 ``with deepspeed_multi.zero_init(config):`` partitions parameters at construction when
 ``config`` is a ZeRO stage-3 config and does nothing otherwise, so a ZeRO-3 teacher and a
 ZeRO-2 student can be built one after the other without toggling global state by hand.
+
+[Note: Transformers models under zero_init]
+Transformers' ``from_pretrained``/``from_config`` decide on ``zero.Init`` from a process-wide
+config (``HfDeepSpeedConfig``), not from the context they run in. Inside ``zero_init`` that
+global config is this block's config for a stage-3 config, and unset for any other stage, and
+whatever was there before (an Accelerate plugin's config) comes back on exit. So a stage-3 block
+makes Transformers partition (and initialise the weights on the gathered parameters, as it does
+under ZeRO-3), and a stage-2 block right after builds a plain model, whatever was selected before.
 """
 import contextlib
 
 import deepspeed
 
 from .config import load_config, zero_stage
+from .hf_config import hf_deepspeed_config
 
 
+@contextlib.contextmanager
 def zero_init(config, **init_kwargs):
-    """Return ``deepspeed.zero.Init`` for a stage-3 config, else a context that does nothing.
+    """Partition parameters at construction for a stage-3 config; otherwise build plain modules.
 
     ``config`` is a DeepSpeed config dict or a path to one. Extra keyword arguments go to
-    ``deepspeed.zero.Init`` (e.g. ``remote_device``, ``dtype``).
+    ``deepspeed.zero.Init`` (e.g. ``remote_device``, ``dtype``). Transformers models built in
+    the block follow the same config (see [Note: Transformers models under zero_init]).
     """
     config = load_config(config)
     if zero_stage(config) != 3:
-        return contextlib.nullcontext()
-    return deepspeed.zero.Init(config_dict_or_path=config, **init_kwargs)
+        with hf_deepspeed_config(None):
+            yield
+        return
+    with hf_deepspeed_config(config), deepspeed.zero.Init(config_dict_or_path=config, **init_kwargs):
+        yield

@@ -1,0 +1,238 @@
+"""``deepspeed_multi.accelerate.Accelerator``: ``accelerate.Accelerator`` over any number of MultiEngines.
+
+Differences from ``accelerate.Accelerator`` under DeepSpeed (everything else is inherited):
+
+* ``prepare`` builds a :class:`~deepspeed_multi.MultiEngine` per model (see [Note: how
+  Accelerate's prepare builds MultiEngines] in _routing.py), from the plugin selected with
+  ``accelerator.state.select_deepspeed_plugin(name)`` or given for the call with
+  ``prepare(..., deepspeed_plugin=<name | DeepSpeedPlugin | config dict/path>)``. A model
+  prepared without an optimizer is an inference-only engine.
+* ``backward(loss)`` is ``loss.backward()``: one backward through every engine the loss reaches;
+  it steps nothing.
+* A prepared optimizer's ``step()``/``zero_grad()`` are its engine's, a prepared scheduler
+  advances once per update of its engine (wrappers.py).
+* ``clip_grad_norm_``, ``accumulate``, ``get_state_dict`` act on the engine the arguments belong
+  to, not on the first one prepared.
+* ``save_state``/``load_state`` leave out models prepared without an optimizer: they never
+  change (rebuild them as they were built), and DeepSpeed cannot checkpoint such a ZeRO-3 engine.
+
+Mixed precision: each engine's dtype comes from its own config. ``Accelerator(mixed_precision=X)``
+(or ``accelerate launch --mixed_precision X``) is applied by Accelerate to every plugin: a config
+without an "fp16"/"bf16" section gets X, an "auto" ``enabled`` becomes X, an explicit
+``enabled: true/false`` is kept (a contradicting one, e.g. fp16 enabled with X = bf16, is refused
+by Accelerate). Plugins and configs given later to ``prepare`` get the same treatment.
+"""
+import contextlib
+import math
+import os
+
+import accelerate
+import torch
+
+from accelerate.utils import DistributedType
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+from accelerate.scheduler import AcceleratedScheduler
+
+from ..engine import MultiEngine
+from . import plugins as _plugins
+from ._routing import multi_engine_initialize
+from .cpu_world import sync_world_size
+from .wrappers import EngineOptimizer, UpdateScheduler
+
+
+class Accelerator(accelerate.Accelerator):
+    """Drop-in ``accelerate.Accelerator`` whose DeepSpeed models are MultiEngines (see module doc)."""
+
+    def __init__(self, *args, **kwargs):
+        mixed_precision = kwargs.get("mixed_precision")
+        if mixed_precision is None and len(args) > 2:
+            mixed_precision = args[2]
+        if mixed_precision is None:
+            mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        self._mixed_precision_request = str(mixed_precision)
+        super().__init__(*args, **kwargs)
+        if self._uses_deepspeed:
+            sync_world_size(self.state)   # see [Note: Accelerate's DeepSpeed mode on CPU]
+
+    @property
+    def _uses_deepspeed(self) -> bool:
+        return self.distributed_type == DistributedType.DEEPSPEED
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args, device_placement=None, deepspeed_plugin=None, deepspeed_config=None):
+        """``accelerate.Accelerator.prepare``, plus the RFC's per-call DeepSpeed config.
+
+        ``deepspeed_plugin`` (alias ``deepspeed_config``): the name of one of the Accelerator's
+        plugins, a ``DeepSpeedPlugin``, or a DeepSpeed config dict or JSON path, used for this
+        call only.
+        """
+        if deepspeed_plugin is not None and deepspeed_config is not None:
+            raise ValueError("prepare(): pass deepspeed_plugin=... or deepspeed_config=..., not both (they are aliases).")
+        choice = deepspeed_plugin if deepspeed_plugin is not None else deepspeed_config
+        models = [type(obj).__name__ for obj in args if isinstance(obj, torch.nn.Module)]
+        if self._uses_deepspeed and len(models) > 1:
+            raise ValueError(f"prepare() got {len(models)} models ({', '.join(models)}) in one call. With DeepSpeed, "
+                             "prepare one model per call, with its own optimizer and scheduler (and, if it needs "
+                             "its own config, deepspeed_plugin=...); this Accelerator holds any number of them.")
+        if choice is None:
+            return super().prepare(*args, device_placement=device_placement)
+        if not self._uses_deepspeed:
+            raise ValueError("prepare(deepspeed_plugin=...) needs an Accelerator in DeepSpeed mode, but this one is "
+                             f"{self.distributed_type}. Create it with Accelerator(deepspeed_plugins={{name: "
+                             "DeepSpeedPlugin(...)}}) or launch with `accelerate launch --use_deepspeed`.")
+        name = _plugins.resolve(self.state, choice, self._mixed_precision_request)
+        with _plugins.selected(self.state, name):
+            return super().prepare(*args, device_placement=device_placement)
+
+    def _prepare_deepspeed(self, *args):
+        with multi_engine_initialize():
+            result = list(super()._prepare_deepspeed(*args))
+        # Accelerate ties backward() to the first engine; ours drives every engine (see backward).
+        self.deepspeed_engine_wrapped = None
+        engine = next((obj for obj in result if isinstance(obj, MultiEngine)), None)
+        optimizer = None
+        for i, obj in enumerate(result):
+            if engine is not None and isinstance(obj, DeepSpeedOptimizerWrapper):
+                optimizer = EngineOptimizer(obj.optimizer, engine)
+                result[i] = self._replace(self._optimizers, obj, optimizer)
+        for i, obj in enumerate(result):
+            if isinstance(obj, AcceleratedScheduler) and not isinstance(obj, DeepSpeedSchedulerWrapper):
+                if optimizer is None:
+                    raise ValueError(f"prepare(): a learning-rate scheduler was passed for "
+                                     f"{type(engine.module).__name__} without its optimizer. Pass the model, its "
+                                     "optimizer and its scheduler to the same prepare() call.")
+                scheduler = UpdateScheduler(obj.scheduler, optimizer, self.step_scheduler_with_optimizer)
+                result[i] = self._replace(self._schedulers, obj, scheduler)
+            elif engine is None and isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                # prepare(scheduler) on its own: Accelerate returns it unwrapped under DeepSpeed.
+                result[i] = self._join_engine(obj)
+        return tuple(result)
+
+    def _join_engine(self, scheduler):
+        """A scheduler prepared without its model follows the engine whose optimizer it schedules."""
+        for opt in self._optimizers:
+            if isinstance(opt, EngineOptimizer) and getattr(scheduler, "optimizer", None) in (
+                    opt, opt.optimizer, getattr(opt.engine, "basic_optimizer", None)):
+                wrapped = UpdateScheduler(scheduler, opt, self.step_scheduler_with_optimizer)
+                self._schedulers.append(wrapped)
+                return wrapped
+        raise ValueError(f"prepare({type(scheduler).__name__}): its optimizer belongs to no model prepared so far. "
+                         "Prepare the model and its optimizer first (or all three in one prepare() call).")
+
+    @staticmethod
+    def _replace(container, old, new):
+        for j, item in enumerate(container):
+            if item is old:
+                container[j] = new
+        return new
+
+    def prepare_scheduler(self, scheduler):
+        """Under DeepSpeed: the scheduler follows its engine's updates (see wrappers.py)."""
+        if self._uses_deepspeed:
+            return self._join_engine(scheduler)
+        return super().prepare_scheduler(scheduler)
+
+    # ------------------------------------------------------------------ training loop
+    def backward(self, loss, **kwargs):
+        """One backward through every engine ``loss`` reaches; updates happen in each optimizer's step()."""
+        if not self._uses_deepspeed:
+            return super().backward(loss, **kwargs)
+        if "learning_rate" in kwargs:
+            raise ValueError("accelerator.backward(learning_rate=...) (LOMO optimizers) is not supported with "
+                             "DeepSpeed engines; use a regular optimizer and optimizer.step().")
+        # Each engine divides by its own gradient_accumulation_steps at its boundary.
+        loss.backward(**kwargs)
+
+    def _engine_of(self, what, params=None, model=None):
+        engines = [m for m in self._models if isinstance(m, MultiEngine)]
+        if model is not None:
+            for engine in engines:
+                if model is engine or model is engine.module:
+                    return engine
+            raise ValueError(f"{what}: {type(model).__name__} is not a model prepared by this Accelerator; pass the "
+                             "object that prepare() returned.")
+        wanted = {id(p) for p in params}
+        for engine in engines:
+            if wanted and wanted <= {id(p) for p in engine.module.parameters()}:
+                return engine
+        raise ValueError(f"{what}: the {len(wanted)} parameters given do not all belong to one prepared model "
+                         f"({len(engines)} prepared). Pass model.parameters() of a single prepared model.")
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """DeepSpeed clips inside the engine's update, at its config's "gradient_clipping".
+
+        Returns the engine's gradient norm from its last update (as Accelerate does under
+        DeepSpeed) when ``max_norm`` is that configured value; otherwise refuses, since clipping
+        here at another value would be silently ignored.
+        """
+        if not self._uses_deepspeed:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        engine = self._engine_of("clip_grad_norm_", params=list(parameters))
+        configured = engine.gradient_clipping()
+        if norm_type != 2 or not configured or not math.isclose(configured, max_norm):
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) for {type(engine.module).__name__}: "
+                f"DeepSpeed clips the 2-norm inside the update at the config's gradient_clipping, which is "
+                f"{configured} for this engine. Set \"gradient_clipping\": {max_norm} in this model's DeepSpeed config "
+                "(and keep the call, which then returns the norm of the last update), or drop the call.")
+        return engine.get_global_grad_norm()
+
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        """Accelerate's ``accumulate``; every engine passed must share the Accelerator's accumulation steps.
+
+        Each engine updates at the end of its own config's gradient_accumulation_steps window
+        whatever ``accumulate`` says; ``sync_gradients`` follows the Accelerator's counter, so the
+        two only agree when they have the same number of steps.
+        """
+        if self._uses_deepspeed:
+            for model in models:
+                engine = self._engine_of("accumulate", model=model)
+                if engine.gradient_accumulation_steps() != self.gradient_accumulation_steps:
+                    raise ValueError(
+                        f"accumulate({type(engine.module).__name__}): this engine accumulates over "
+                        f"{engine.gradient_accumulation_steps()} steps (its DeepSpeed config) but the Accelerator over "
+                        f"{self.gradient_accumulation_steps}, so sync_gradients would not match its updates. Drop "
+                        "accelerator.accumulate(...): optimizer.step()/zero_grad()/scheduler.step() already follow "
+                        "each engine's own window (engine.is_update_boundary() tells whether the next step updates), "
+                        "or give every config the same gradient_accumulation_steps.")
+        with super().accumulate(*models):
+            yield
+
+    def get_state_dict(self, model, unwrap=True):
+        """Accelerate's ``get_state_dict``, read against ``model``'s own DeepSpeed config."""
+        if not self._uses_deepspeed or not isinstance(model, MultiEngine):
+            return super().get_state_dict(model, unwrap)
+        saved = getattr(self, "deepspeed_config", None)
+        self.deepspeed_config = model.config  # the config this engine was built from
+        try:
+            return super().get_state_dict(model, unwrap)
+        finally:
+            self.deepspeed_config = saved
+
+    @contextlib.contextmanager
+    def _checkpointed_models(self):
+        """Inference-only engines (prepared without an optimizer) never change, and DeepSpeed cannot
+        checkpoint a ZeRO-3 engine without an optimizer; save_state/load_state leave them out."""
+        models = self._models
+        self._models = [m for m in models if not (isinstance(m, MultiEngine) and not m.has_optimizer)]
+        try:
+            yield
+        finally:
+            self._models = models
+
+    def save_state(self, output_dir=None, safe_serialization=True, **save_model_func_kwargs):
+        """Accelerate's ``save_state``; models prepared without an optimizer are not saved (they never change)."""
+        with self._checkpointed_models():
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
+        """Accelerate's ``load_state``, for the models that ``save_state`` saved."""
+        with self._checkpointed_models():
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def engines(self):
+        """The MultiEngines prepared so far, in order."""
+        return [m for m in self._models if isinstance(m, MultiEngine)]
+
+
