@@ -2,8 +2,8 @@
 LR after every step checked), and the Accelerate/Transformers API around them.
 
 Each test is one multi-process run holding several checks (process start-up is the costly part).
-Plain accelerate.Accelerator on the same loops is recorded by ``python tests/multi_gpu/report.py
---accelerate`` (docs/accelerate_loops.md), not here.
+Plain accelerate.Accelerator on the same loops is recorded by ``python tests/multi_gpu/report_accelerate.py``
+(docs/accelerate_loops.md), not here.
 """
 import pytest
 
