@@ -23,6 +23,14 @@ ZeRO-3's gather/release nodes: in backward the prologue runs before ZeRO-3 gathe
 
 A parameter used directly as a tensor, not through a module call, is not seen by these hooks;
 see _outside_use.py.
+
+[Note: no hooks inside engine(...)]
+Inside ``engine.forward`` the region is already open, so the hooks would only return at once;
+but a module with any forward hook leaves torch's fast call path, which on a model of many
+small layers costs more than the rest of our per-step work. ``Region.enter_forward`` takes our
+two hooks out of every submodule's hook dicts for the duration of ``engine.forward`` (four dict
+operations per submodule, no Python frame per call) and ``exit_forward`` puts them back at the
+end of the dicts, so they still run after any hook registered since (ZeRO-3's included).
 """
 import weakref
 
@@ -39,26 +47,49 @@ def _in_backward() -> bool:
 class Region:
     """Which region of one engine is open; owned by the engine (``engine._region``)."""
 
-    __slots__ = ("depth", "_outside_calls", "_handles", "__weakref__")
+    __slots__ = ("depth", "_outside_calls", "_handles", "_hooks", "_suspended", "__weakref__")
 
     def __init__(self):
         self.depth = 0  # > 0 while engine.forward or an outside call runs
         self._outside_calls = []  # stack of (module, ZeRO-3 counter snapshot) for open outside calls
         self._handles = []
+        self._hooks = []  # (module, pre-hook id, pre-hook, hook id, hook) per submodule
+        self._suspended = 0  # nesting depth of enter_forward (see [Note: no hooks inside engine(...)])
 
     def install(self, engine) -> None:
         engine_ref = weakref.ref(engine)
         region_ref = weakref.ref(self)
         for module in engine.module.modules():
-            self._handles.append(module.register_forward_pre_hook(
-                _make_pre_forward(engine_ref, region_ref), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                _make_post_forward(engine_ref, region_ref), with_kwargs=True, always_call=True))
+            pre, post = _make_pre_forward(engine_ref, region_ref), _make_post_forward(engine_ref, region_ref)
+            pre_handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+            post_handle = module.register_forward_hook(post, with_kwargs=True, always_call=True)
+            self._handles += [pre_handle, post_handle]
+            self._hooks.append((module, pre_handle.id, pre, post_handle.id, post))
+
+    def enter_forward(self) -> None:
+        """engine.forward starts: the region is open, our hooks leave the submodules until it ends."""
+        self.depth += 1
+        self._suspended += 1
+        if self._suspended == 1:
+            for module, pre_id, _, post_id, _ in self._hooks:
+                hooks = module.__dict__
+                hooks["_forward_pre_hooks"].pop(pre_id, None)
+                hooks["_forward_hooks"].pop(post_id, None)
+
+    def exit_forward(self) -> None:
+        self.depth -= 1
+        self._suspended -= 1
+        if self._suspended == 0 and self._handles:
+            for module, pre_id, pre, post_id, post in self._hooks:
+                hooks = module.__dict__
+                hooks["_forward_pre_hooks"][pre_id] = pre
+                hooks["_forward_hooks"][post_id] = post
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooks.clear()
 
 
 def _make_pre_forward(engine_ref, region_ref):
