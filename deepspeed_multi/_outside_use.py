@@ -1,4 +1,4 @@
-"""Gradients that reach an engine's parameters without crossing its boundary: a clear error.
+"""Gradients that reach an engine's parameters from outside its region: a clear error.
 
 [Note: a parameter used directly as a tensor]
 _region.py puts every *module call* of an engine's submodules inside its region. A parameter
@@ -15,11 +15,24 @@ ZeRO-3 (``reduce_ready_partitions_and_remove_grads``), bound on the optimizer in
 stage 0, and ZeRO-1 configured without gradient hooks, in a pre-hook on each parameter's
 gradient accumulator.
 
-Not detected: a direct use in the *same* backward as a boundary crossing of the same engine
-(e.g. ``loss = mse(engine(x), y) + F.linear(h, engine.module.fc.weight).sum()``). The
-parameter's gradient arrives as one sum, and telling its parts apart would need to see every
-node of the graph. That term's gradient is then unscaled: exact only at
-gradient_accumulation_steps 1 without fp16. The README lists it.
+[Note: a direct use in the same backward as the region]
+A direct use in the *same* backward as a boundary crossing of the same engine (e.g. ``loss =
+mse(engine(x), y) + F.linear(h, engine.module.fc.weight).sum()``) gives the parameter one
+gradient sum whose parts the per-parameter hooks cannot tell apart. :class:`MixedUseCheck`
+tells them apart while it is on: at the end of each forward of the region it walks the autograd
+graph from the region's output boundary nodes down to its input boundary nodes, and puts a
+post-hook on every node with an edge into a trainable parameter's gradient accumulator; in
+backward those hooks sum what the region sends to each parameter, and a pre-hook on the
+accumulator compares that sum with what arrives (the same additions in the same order, so equal
+bit for bit when nothing else contributes). A difference is a gradient from outside the region,
+unscaled by the engine's factor: raised, naming the parameter, unless the factor is exactly 1
+(gradient_accumulation_steps 1 without fp16), where it is harmless. The walk costs one pass over
+the region's graph per forward, so the check runs during the engine's first
+``direct_use_check_updates`` updates (1 by default; -1 always; 0 never) and then removes its
+hooks: a direct use that first appears later is not seen. Not checked: ZeRO-3 (its parameters
+are partitioned outside module calls, and torch fails first), parameters with tensor hooks of
+their own (they change the sum before the pre-hook sees it), and gradients of reentrant
+checkpointing's nested pass (its recomputed nodes were never walked; such a pass is skipped).
 
 Reentrant activation checkpointing runs the checkpointed part's backward as a nested backward
 pass. When every parameter of an engine sits inside checkpointed parts, the outer pass crosses
@@ -33,14 +46,19 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ._state import TrainingState
+from ._tree import tree_tensors
 
 
 def install(engine) -> None:
     """Check every gradient that reaches one of ``engine``'s trainable parameters."""
+    engine._mixed_use = None
     if not engine.trains:
         return
     names = {id(p): n for n, p in engine.module.named_parameters()}
     optimizer = engine.optimizer
+    updates = engine.options.direct_use_check_updates
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and updates != 0:
+        engine._mixed_use = MixedUseCheck(engine, names, updates)
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         _wrap_method(optimizer, "reduce_ready_partitions_and_remove_grads", engine, names)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer._grad_acc_hooks:
@@ -83,3 +101,104 @@ def _prehook(param, engine, names):
         check(engine, param, names)
 
     return node, node.register_prehook(before_accumulate)  # keep the node alive with its hook
+
+
+class MixedUseCheck:
+    """Gradients from outside the region mixed into a parameter's sum (see the Note above)."""
+
+    def __init__(self, engine, names, updates):
+        from ._boundary import _InputBoundary, _OutputBoundary
+        self.engine_name = engine._engine_name
+        self.scale_factor = engine.grad_scale_factor
+        self.names = names
+        self.updates_left = updates  # -1: always
+        self._stops = (_InputBoundary._backward_cls, _OutputBoundary._backward_cls)
+        self._acc = {}  # gradient accumulator node -> parameter
+        self._handles = []
+        for param in engine._trainable_params:
+            node = torch.autograd.graph.get_gradient_edge(param).node
+            self._acc[node] = param
+            self._handles.append(node.register_prehook(self._make_before_accumulate(param)))
+        self._task, self._sums = None, {}  # the recording graph task, {parameter: what the region sent it}
+
+    @property
+    def active(self) -> bool:
+        return self.updates_left != 0
+
+    def watch_region(self, outputs) -> None:
+        """A forward of the region ended with ``outputs`` (its output boundary tensors)."""
+        acc, stops = self._acc, self._stops
+        stack = [t.grad_fn for t in tree_tensors(outputs) if t.grad_fn is not None]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            edges = []
+            for k, (nxt, _) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                param = acc.get(nxt)
+                if param is not None:
+                    edges.append((k, param))
+                elif not isinstance(nxt, stops):  # another region's boundary: not this region's graph
+                    stack.append(nxt)
+            if edges:
+                node.register_hook(self._make_record(edges))
+
+    def _make_record(self, edges):
+
+        def record_region_gradient(grad_inputs, grad_outputs):
+            task = torch._C._current_graph_task_id()
+            if task != self._task:  # a new backward pass (only one records at a time: see the Note)
+                self._task, self._sums = task, {}
+            sums = self._sums
+            for k, param in edges:
+                g = grad_inputs[k]
+                if g is not None:
+                    sums[param] = g if param not in sums else sums[param] + g
+
+        return record_region_gradient
+
+    def _make_before_accumulate(self, param):
+
+        def before_accumulate(grad_outputs):
+            if torch._C._current_graph_task_id() != self._task:
+                return  # the region sent nothing in this pass (reentrant checkpointing's nested pass)
+            got, region = grad_outputs[0], self._sums.pop(param, None)
+            if got is None or (region is not None and torch.equal(got, region)) or param._backward_hooks:
+                return  # (the parameter's own tensor hooks ran first and may have changed the sum)
+            factor = self.scale_factor()
+            if factor == 1.0:
+                return
+            raise RuntimeError(
+                f"MultiEngine ({self.engine_name()}): parameter {self.names.get(id(param), '<unnamed>')!r} received "
+                "part of its gradient in this backward pass from outside the engine's region: it was used directly as "
+                "a tensor (e.g. F.linear(x, engine.module.fc.weight), a penalty over engine.module.parameters(), or "
+                "passed to engine(...) as an input) besides its use inside engine(...) or a call of one of its "
+                f"submodules. Only the region applies the engine's gradient scale ({factor:g}: 1/"
+                "gradient_accumulation_steps, times the fp16 loss scale), so that part would be off by that factor. "
+                "Call the submodule that owns the parameter (e.g. engine.module.fc(x)), or compute the term inside the "
+                "model's forward. (This check runs during the engine's first direct_use_check_updates updates, 1 by "
+                'default: {"deepspeed_multi": {"direct_use_check_updates": N}} in its config.)')
+
+        return before_accumulate
+
+    def end_backward(self) -> None:
+        """The engine's epilogue: release the gradients held for the comparison."""
+        self._task, self._sums = None, {}
+
+    def after_update(self) -> None:
+        if self.updates_left > 0:
+            self.updates_left -= 1
+            if self.updates_left == 0:
+                self.remove()
+
+    def remove(self) -> None:
+        self.updates_left = 0
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._acc.clear()
+        self.end_backward()

@@ -56,6 +56,9 @@ class MultiOptions:
     watchdog_timeout_s: a rank that spends longer than this in one of the engine's collective
         regions (ZeRO-3 forward, ZeRO-2/3 backward, step) fails every rank with an error naming
         the engine (see watchdog.py); 0 turns the watchdog off.
+    direct_use_check_updates: during the engine's first N updates, a backward pass in which a
+        parameter receives gradient both from inside the engine's region and from a direct use
+        outside it raises (see _outside_use.MixedUseCheck); -1 checks always, 0 never.
     allow_mixed_dp_groups: allow one backward pass to reach this engine and engines on other
         data-parallel groups (another ``mpu``); every engine of that backward must allow it.
         Right only when the data is replicated across each model-parallel group, so that every
@@ -65,6 +68,7 @@ class MultiOptions:
     skip_group: Optional[str] = None
     watchdog_timeout_s: float = 300.0
     allow_mixed_dp_groups: bool = False
+    direct_use_check_updates: int = 1
 
     @classmethod
     def from_config(cls, config: dict) -> "MultiOptions":
@@ -79,6 +83,11 @@ class MultiOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
             raise ValueError(f"deepspeed_multi: watchdog_timeout_s must be a number of seconds >= 0 (0 turns the "
                              f"watchdog off); got {timeout!r}.")
+        updates = options.direct_use_check_updates
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < -1:
+            raise ValueError(f"deepspeed_multi: direct_use_check_updates must be an integer >= -1 (the number of "
+                             f"updates during which direct parameter uses are checked; -1 always, 0 never); got "
+                             f"{updates!r}.")
         if not isinstance(options.allow_mixed_dp_groups, bool):
             raise ValueError(f"deepspeed_multi: allow_mixed_dp_groups must be true or false; got "
                              f"{options.allow_mixed_dp_groups!r}.")

@@ -99,7 +99,10 @@ class MultiEngine(DeepSpeedEngine):
         """Output boundary nodes for one forward of ``module`` (this engine's module, or a submodule
         called outside engine(...)); ``zero3_before`` is its ZeRO-3 counter snapshot, or None."""
         if zero3_before is None:
-            return wrap_outputs(self, outputs, _ForwardRecord())
+            outputs = wrap_outputs(self, outputs, _ForwardRecord())
+            if self._mixed_use is not None and torch.is_grad_enabled():
+                self._mixed_use.watch_region(outputs)  # first updates only (_outside_use.MixedUseCheck)
+            return outputs
         outputs = zero3_counters.cover_outputs(module, outputs)
         return wrap_outputs(self, outputs, _ForwardRecord(zero3_counters.armed_by_forward(zero3_before, module)))
 
@@ -185,6 +188,8 @@ class MultiEngine(DeepSpeedEngine):
         finally:
             self._state = TrainingState.GRADS_READY
             self.watchdog.leave("backward")
+            if self._mixed_use is not None:
+                self._mixed_use.end_backward()
 
     def _recover_from_failed_backward(self):
         """Called from forward() and zero_grad(): clean up after a backward that raised part way."""
@@ -282,6 +287,10 @@ class MultiEngine(DeepSpeedEngine):
             self.micro_steps += 1
             return
         self._window_micro_steps = 0
+        if self._mixed_use is not None:
+            self._mixed_use.after_update()
+            if not self._mixed_use.active:
+                self._mixed_use = None
         misuse.check_requires_grad_unchanged(self)
         if self.trains and self.check_rank_agreement and not self.zero_optimization_partition_gradients():
             self._check_ranks_agree()

@@ -351,6 +351,22 @@ def _direct_param(stage):
                     phases=[Phase(loss)])
 
 
+def _direct_param_mixed(stage, dtype="fp32", gas=2, check_updates=None):
+    """A parameter used both inside the engine and directly as a tensor in the same backward (an
+    L2 penalty on one layer's weight written outside forward). The direct term's gradient misses
+    the engine's scale: raised while the check runs, unless the scale is 1 (gas 1, no fp16), where
+    it is exact. ``check_updates=0`` turns the check off (the update is then silently wrong)."""
+
+    def loss(m, b, c):
+        fc = mod(m["a"]).fc1
+        return mse(m["a"](b["x"]), b["y"]) + 0.1 * F.linear(b["x"].to(fc.weight.dtype), fc.weight).float().pow(2).mean()
+
+    config = ds_config(stage, dtype, gas=gas)
+    if check_updates is not None:
+        config["deepspeed_multi"] = {"direct_use_check_updates": check_updates}
+    return Scenario(members={"a": Member(mlp(1), config)}, phases=[Phase(loss)], dtype=dtype)
+
+
 def _with_options(scenario, **options):
     """The same scenario with deepspeed_multi options in every member's config."""
     for member in scenario.members.values():
@@ -420,6 +436,10 @@ for s in range(4):
     SCENARIOS[f"step-no-backward-z{s}"] = functools.partial(_step_no_backward, s)
     SCENARIOS[f"grad-inputs-only-z{s}"] = functools.partial(_grad_inputs_only, s)
     SCENARIOS[f"direct-param-z{s}"] = functools.partial(_direct_param, s)
+for s in range(3):  # ZeRO-3: torch's shape error first (direct-param-z3)
+    SCENARIOS[f"direct-mixed-z{s}-gas2"] = functools.partial(_direct_param_mixed, s)
+    SCENARIOS[f"direct-mixed-z{s}-fp16"] = functools.partial(_direct_param_mixed, s, "fp16", 1)
+    SCENARIOS[f"direct-mixed-z{s}-gas1"] = functools.partial(_direct_param_mixed, s, gas=1)
 # Found by the fuzzer (the seeds replay with `make fuzz SEED=N`): ZeRO-3 dataclass outputs got no
 # pre-backward gather (27, 54); a frozen ZeRO-3 engine kept submodules gathered after backward (65).
 SCENARIOS["fuzz-27-z3-twice-retain-dataclass"] = functools.partial(_fuzz_program, 27)
@@ -447,6 +467,7 @@ EXPECTED_ERRORS = {
     # ZeRO-3 re-partitions the parameter when GatheredParameters exits, so the direct use's own
     # backward fails inside autograd (torch's shape error) before any gradient reaches it.
     "direct-param-z3": "must match the size of tensor",
+    **{f"direct-mixed-z{s}-{kind}": "from outside the engine's region" for s in range(3) for kind in ("gas2", "fp16")},
 }
 
 

@@ -49,3 +49,13 @@ def test_allow_mixed_dp_groups_default_and_bad_values():
     for bad in (1, "true", None):
         with pytest.raises(ValueError, match=r"allow_mixed_dp_groups must be true or false; got"):
             MultiOptions.from_config({"deepspeed_multi": {"allow_mixed_dp_groups": bad}})
+
+
+def test_direct_use_check_updates_default_and_bad_values():
+    assert MultiOptions().direct_use_check_updates == 1
+    for good in (-1, 0, 3):
+        options = MultiOptions.from_config({"deepspeed_multi": {"direct_use_check_updates": good}})
+        assert options.direct_use_check_updates == good
+    for bad in (-2, 1.5, True, "1", None):
+        with pytest.raises(ValueError, match=r"direct_use_check_updates must be an integer >= -1.*got"):
+            MultiOptions.from_config({"deepspeed_multi": {"direct_use_check_updates": bad}})
