@@ -21,6 +21,14 @@ SECTIONS = [
     ("rlhf_step", "RLHF step through four engines",
      "Actor (Z2) and critic (Z3) trained, reference and reward (Z3) frozen; the actor's output goes through the "
      "reward model with grad. Ours: one `loss.backward()`; upstream: `actor.backward` + `critic.backward`."),
+    ("peers", "Peers: encoder -> LLM, both trained, against the super-module and FSDP2",
+     "Ours (encoder ZeRO-2 + LLM ZeRO-3, two engines, one `loss.backward()`) against the upstream super-module at "
+     "ZeRO-3 and PyTorch FSDP2 (`fully_shard` per block), AdamW fp32, at two sizes. Ratios are ours / that "
+     "variant, paired per step (< 1: ours is faster or smaller)."),
+    ("growth", "Growth: engines in one loss, and parameter count",
+     "Step time as the number of engines under one loss grows (chained and parallel), and as the parameter "
+     "count of an encoder -> LLM pair grows from about 1e5 to 1e8, each beside one upstream ZeRO-3 engine "
+     "holding the same modules."),
 ]
 
 

@@ -1,0 +1,206 @@
+"""How the step time grows with the number of engines in one loss and with the parameter count.
+
+Engines (``--engines 1 2 4 8``): N small towers (one transformer block each, d=128), each its own
+``deepspeed_multi`` engine (stages alternating 2, 3, 2, 3, ...), under one ``loss.backward()``,
+wired two ways:
+
+* chained:  ``x -> E_1 -> E_2 -> ... -> E_N -> loss``
+* parallel: ``loss = sum_i loss(E_i(x))``
+
+against the same N towers as one ``nn.Module`` in one upstream ZeRO-3 engine
+(``engine.backward(loss)``), the workaround whose cost does not grow with N engines.
+
+Parameters (``--dims``): one encoder (ZeRO-2) feeding one LLM (ZeRO-3) of 4 blocks, width d, from
+about 1e5 to 1e8 parameters, against the super-module at ZeRO-3; micro-batch 2 x 16 so that the
+largest size fits a 2-core CPU box in minutes.
+
+Per point the variants are built in the same 2 ranks and stepped interleaved (AdamW, fp32);
+the figure is the median step time and the paired per-step ratio ours / super-module.
+Prints two tables and ``RESULT growth_chain_8=.. growth_parallel_8=.. growth_params_max=..``;
+writes benchmarks/results/growth.json and .png (two panels).
+
+Usage: python benchmarks/growth.py [--steps 6] [--warmup 2] [--engines 1 2 4 8] [--dims 40 128 400 1248]
+"""
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch.nn as nn
+
+import _bench as B
+
+D_ENGINE, SEQ, MICRO_BS = 128, 32, 8
+P_LAYERS, P_SEQ, P_MICRO_BS = 4, 16, 2
+
+
+class Chain(nn.Module):
+
+    def __init__(self, towers):
+        super().__init__()
+        self.towers = nn.ModuleList(towers)
+
+    def forward(self, x):
+        for t in self.towers:
+            x = t(x)
+        return x
+
+
+class Parallel(nn.Module):
+    """The parallel wiring as one module: returns every tower's output."""
+
+    def __init__(self, towers):
+        super().__init__()
+        self.towers = nn.ModuleList(towers)
+
+    def forward(self, x):
+        return [t(x) for t in self.towers]
+
+
+def _loss(outs, y):
+    outs = outs if isinstance(outs, list) else [outs]
+    return sum(((o - y)**2).mean() for o in outs)
+
+
+def _batch(i, shape, dev):
+    import torch
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(*shape, generator=g).to(dev), torch.randn(*shape, generator=g).to(dev)
+
+
+def _engine_count_variants(n, wiring):
+    import deepspeed
+    import deepspeed_multi
+    dev = B.device()
+    towers = [B.Tower(D_ENGINE, D_ENGINE, 1, D_ENGINE, seed=k) for k in range(n)]
+    engines = [B.build_engine(deepspeed_multi.initialize, copy.deepcopy(t), B.ds_config(2 + k % 2))
+               for k, t in enumerate(towers)]
+    whole = (Chain if wiring == "chained" else Parallel)(copy.deepcopy(towers))
+    upstream = B.build_engine(deepspeed.initialize, whole, B.ds_config(3))
+    shape = (MICRO_BS, SEQ, D_ENGINE)
+
+    def ours(i):
+        x, y = _batch(i, shape, dev)
+        if wiring == "chained":
+            for e in engines:
+                x = e(x)
+            outs = x
+        else:
+            outs = [e(x) for e in engines]
+        _loss(outs, y).backward()
+        for e in engines:
+            e.step()
+
+    def super_module(i):
+        x, y = _batch(i, shape, dev)
+        upstream.backward(_loss(upstream(x), y))
+        upstream.step()
+
+    return {"ours": ours, "super-module": super_module}, sum(B.n_params(t) for t in towers)
+
+
+def _param_count_variants(d):
+    import deepspeed
+    import deepspeed_multi
+    dev = B.device()
+    enc, llm = B.Tower(d, d, 1, d, seed=1), B.Tower(d, d, P_LAYERS, d, seed=2)
+    e_enc = B.build_engine(deepspeed_multi.initialize, copy.deepcopy(enc), B.ds_config(2, micro_bs=P_MICRO_BS))
+    e_llm = B.build_engine(deepspeed_multi.initialize, copy.deepcopy(llm), B.ds_config(3, micro_bs=P_MICRO_BS))
+    upstream = B.build_engine(deepspeed.initialize, Chain([enc, llm]), B.ds_config(3, micro_bs=P_MICRO_BS))
+    shape = (P_MICRO_BS, P_SEQ, d)
+
+    def ours(i):
+        x, y = _batch(i, shape, dev)
+        _loss(e_llm(e_enc(x)), y).backward()
+        e_enc.step()
+        e_llm.step()
+
+    def super_module(i):
+        x, y = _batch(i, shape, dev)
+        upstream.backward(_loss(upstream(x), y))
+        upstream.step()
+
+    return {"ours": ours, "super-module": super_module}, B.n_params(enc) + B.n_params(llm)
+
+
+def timing(engine_counts, dims, warmup, steps):
+    out = {"engines": [], "params": []}
+    for wiring in ("chained", "parallel"):
+        for n in engine_counts:
+            variants, params = _engine_count_variants(n, wiring)
+            t = B.interleave(variants, warmup, steps)
+            out["engines"].append({"wiring": wiring, "n": n, "params": params,
+                                   **{k: v["total"] for k, v in t.items()}})
+            del variants
+            gc.collect()
+    for d in dims:
+        variants, params = _param_count_variants(d)
+        t = B.interleave(variants, warmup, steps)
+        out["params"].append({"d": d, "params": params, **{k: v["total"] for k, v in t.items()}})
+        del variants
+        gc.collect()
+    return out
+
+
+def main():
+    ap = B.arg_parser(__doc__)
+    ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--dims", type=int, nargs="+", default=[40, 128, 400, 1248])
+    ap.set_defaults(steps=6, warmup=2)
+    args = ap.parse_args()
+    t = B.launch(timing, args.engines, args.dims, args.warmup, args.steps, timeout_s=3000)[0]
+    rows_e, rows_p = [], []
+    for r in t["engines"]:
+        r.update(ours_ms=B.median(r["ours"]), super_ms=B.median(r["super-module"]),
+                 ratio=B.paired_ratio(r["ours"], r["super-module"]))
+        rows_e.append([r["wiring"], r["n"], f"{r['params'] / 1e6:.2f}M", f"{r['ours_ms']:.1f}", f"{r['super_ms']:.1f}",
+                       f"{r['ratio']:.3f}"])
+    for r in t["params"]:
+        r.update(ours_ms=B.median(r["ours"]), super_ms=B.median(r["super-module"]),
+                 ratio=B.paired_ratio(r["ours"], r["super-module"]))
+        rows_p.append([r["d"], f"{r['params']:.3g}", f"{r['ours_ms']:.1f}", f"{r['super_ms']:.1f}", f"{r['ratio']:.3f}"])
+    table_e = B.fmt_table(["wiring", "engines", "params", "ours ms", "super-module ms", "ours / super-module (paired)"],
+                          rows_e)
+    table_p = B.fmt_table(["width d", "params", "ours ms", "super-module ms", "ours / super-module (paired)"], rows_p)
+    print(f"\nEngines in one loss: N towers (1 block, d={D_ENGINE}), stages 2,3,2,3,..., micro-batch {MICRO_BS}x{SEQ}, "
+          f"2 ranks on {B.device().type}, median of {args.steps} steps after {args.warmup} warm-up; baseline: the N "
+          "towers as one module in one upstream ZeRO-3 engine\n")
+    print(table_e)
+    print(f"\nParameters: encoder (ZeRO-2, 1 block) -> LLM (ZeRO-3, {P_LAYERS} blocks), width d, micro-batch "
+          f"{P_MICRO_BS}x{P_SEQ}; baseline: one upstream ZeRO-3 engine over both\n")
+    print(table_p)
+    last = {w: next(r for r in reversed(t["engines"]) if r["wiring"] == w) for w in ("chained", "parallel")}
+    result = (f"RESULT growth_chain_{last['chained']['n']}={last['chained']['ratio']:.3f} "
+              f"growth_parallel_{last['parallel']['n']}={last['parallel']['ratio']:.3f} "
+              f"growth_params_max={t['params'][-1]['ratio']:.3f}" if t["params"] else "")
+
+    def plot(plt):
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for wiring, marker in (("chained", "o"), ("parallel", "s")):
+            rs = [r for r in t["engines"] if r["wiring"] == wiring]
+            a.plot([r["n"] for r in rs], [r["ours_ms"] for r in rs], marker=marker, label=f"ours, {wiring}")
+            a.plot([r["n"] for r in rs], [r["super_ms"] for r in rs], marker=marker, linestyle="--",
+                   label=f"super-module, {wiring}")
+        a.set_xscale("log", base=2)
+        a.set_xlabel("engines in one loss")
+        a.set_ylabel("ms / step (median)")
+        a.set_title("Step time vs number of engines")
+        a.legend(fontsize=7)
+        ps = t["params"]
+        b.plot([r["params"] for r in ps], [r["ours_ms"] for r in ps], marker="o", label="ours (Z2 + Z3)")
+        b.plot([r["params"] for r in ps], [r["super_ms"] for r in ps], marker="o", linestyle="--",
+               label="super-module (Z3)")
+        b.set_xscale("log")
+        b.set_yscale("log")
+        b.set_xlabel("parameters")
+        b.set_title("Step time vs parameter count")
+        b.legend(fontsize=7)
+        return fig
+
+    B.save("growth", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "engines": t["engines"],
+                      "params": t["params"], "table": table_e + "\n\n" + table_p, "result": result}, plot)
+    print(result)
+
+
+if __name__ == "__main__":
+    main()

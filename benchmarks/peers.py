@@ -1,0 +1,163 @@
+"""Encoder -> LLM, both trained under one loss: deepspeed_multi against what people pick instead.
+
+Per size, three variants are built side by side in the same 2 ranks and stepped interleaved:
+
+* ours:          encoder = ``deepspeed_multi`` ZeRO-2 engine, LLM = ``deepspeed_multi`` ZeRO-3
+                 engine; ``loss.backward()``, ``step()`` on each;
+* super-module:  encoder and LLM in one ``nn.Module``, one upstream ``deepspeed.initialize``
+                 engine at ZeRO-3; ``engine.backward(loss)``, ``engine.step()`` (the workaround);
+* FSDP2:         PyTorch's ``fully_shard`` on every transformer block and on each model's root
+                 (the PyTorch-native choice), one AdamW; ``loss.backward()``, ``opt.step()``.
+
+Every variant trains the same weights with ``torch.optim.AdamW(lr=1e-4)`` in fp32 on the same
+batches. Step time: median over the timed steps, and the paired per-step ratio against each
+baseline. Peak memory per rank: each variant alone in fresh processes (see _bench's Note).
+
+Prints a table and ``RESULT peers_vs_fsdp2_<size>=<ours/FSDP2 time> peers_vs_supermodule_<size>=..``
+(< 1: ours is faster); writes benchmarks/results/peers.json and .png.
+
+Usage: python benchmarks/peers.py [--steps 10] [--warmup 3] [--no-memory] [--sizes small large]
+"""
+from __future__ import annotations
+
+import copy
+
+import torch.nn as nn
+
+import _bench as B
+
+# name -> (LLM width, LLM blocks); the encoder is one block of the same width fed 64 features.
+SIZES = {"small": (256, 4), "large": (512, 8)}
+D_IN, ENC_LAYERS, SEQ, MICRO_BS = 64, 1, 32, 8
+VARIANTS = ["ours (Z2 + Z3)", "super-module (Z3)", "FSDP2"]
+
+
+class SuperModule(nn.Module):
+
+    def __init__(self, encoder, llm):
+        super().__init__()
+        self.encoder, self.llm = encoder, llm
+
+    def forward(self, x):
+        return self.llm(self.encoder(x))
+
+
+def _models(size):
+    d, layers = SIZES[size]
+    return B.Tower(D_IN, d, ENC_LAYERS, d, seed=1), B.Tower(d, d, layers, d, seed=2)
+
+
+def _batch(i, d, dev):
+    import torch
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(MICRO_BS, SEQ, D_IN, generator=g).to(dev), torch.randn(MICRO_BS, SEQ, d, generator=g).to(dev)
+
+
+def _fsdp2(encoder, llm):
+    """fully_shard per block, then per model root, on a 1-D mesh of every rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(), ))
+    for model in (encoder, llm):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return torch.optim.AdamW(list(encoder.parameters()) + list(llm.parameters()), lr=1e-4)
+
+
+def _build(variant, size, encoder, llm):
+    """A step callable for ``variant`` built from copies of ``encoder`` and ``llm``."""
+    import deepspeed
+    import deepspeed_multi
+    dev = B.device()
+    d = SIZES[size][0]
+    encoder, llm = copy.deepcopy(encoder).to(dev), copy.deepcopy(llm).to(dev)
+    if variant.startswith("ours"):
+        enc = B.build_engine(deepspeed_multi.initialize, encoder, B.ds_config(2, micro_bs=MICRO_BS))
+        big = B.build_engine(deepspeed_multi.initialize, llm, B.ds_config(3, micro_bs=MICRO_BS))
+
+        def step(i):
+            x, y = _batch(i, d, dev)
+            ((big(enc(x)) - y)**2).mean().backward()
+            enc.step()
+            big.step()
+        return step
+    if variant.startswith("super"):
+        engine = B.build_engine(deepspeed.initialize, SuperModule(encoder, llm), B.ds_config(3, micro_bs=MICRO_BS))
+
+        def step(i):
+            x, y = _batch(i, d, dev)
+            engine.backward(((engine(x) - y)**2).mean())
+            engine.step()
+        return step
+    opt = _fsdp2(encoder, llm)
+
+    def step(i):
+        x, y = _batch(i, d, dev)
+        ((llm(encoder(x)) - y)**2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def timing(sizes, warmup, steps):
+    out = {}
+    for size in sizes:
+        enc, llm = _models(size)
+        t = B.interleave({v: _build(v, size, enc, llm) for v in VARIANTS}, warmup, steps)
+        out[size] = {k: v["total"] for k, v in t.items()}
+    return out
+
+
+def memory(size, variant, steps):
+    enc, llm = _models(size)
+    return B.peak_memory_of_steps(lambda: _build(variant, size, enc, llm), steps)
+
+
+def main():
+    ap = B.arg_parser(__doc__)
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.set_defaults(steps=10)
+    args = ap.parse_args()
+    t = B.launch(timing, args.sizes, args.warmup, args.steps)[0]
+    mem = {} if args.no_memory else {(s, v): B.launch(memory, s, v, 2)[0] for s in args.sizes for v in VARIANTS}
+    rows, data, result = [], [], []
+    for size in args.sizes:
+        enc, llm = _models(size)
+        params = B.n_params(enc) + B.n_params(llm)
+        ours = t[size][VARIANTS[0]]
+        for v in VARIANTS:
+            rec = {"size": size, "params": params, "variant": v, "ms": B.median(t[size][v]),
+                   "iqr_ms": B.iqr(t[size][v]), "raw_ms": t[size][v], "peak_mb": mem.get((size, v)),
+                   "ours_time_ratio": B.paired_ratio(ours, t[size][v])}
+            if mem:
+                rec["ours_mem_ratio"] = mem[(size, VARIANTS[0])] / mem[(size, v)]
+            data.append(rec)
+            rows.append([f"{size} ({params / 1e6:.1f}M)", v, f"{rec['ms']:.1f} ±{rec['iqr_ms']:.1f}",
+                         "-" if v == VARIANTS[0] else f"{rec['ours_time_ratio']:.3f}",
+                         f"{rec['peak_mb']:.1f}" if mem else "-",
+                         "-" if v == VARIANTS[0] or not mem else f"{rec['ours_mem_ratio']:.3f}"])
+        by = {r["variant"]: r for r in data if r["size"] == size}
+        result.append(f"peers_vs_fsdp2_{size}={by['FSDP2']['ours_time_ratio']:.3f} "
+                      f"peers_vs_supermodule_{size}={by['super-module (Z3)']['ours_time_ratio']:.3f}")
+    table = B.fmt_table(["size (params)", "variant", "ms/step (IQR)", "ours / this (time, paired)", "peak MiB/rank",
+                         "ours / this (memory)"], rows)
+    print(f"\nEncoder ({ENC_LAYERS} block) -> LLM, both trained, one loss, AdamW fp32, micro-batch {MICRO_BS}x{SEQ}, "
+          f"2 ranks on {B.device().type}, median of {args.steps} steps after {args.warmup} warm-up; "
+          f"memory = {B.memory_kind()}\n")
+    print(table)
+    result = "RESULT " + " ".join(result)
+
+    def plot(plt):
+        series = {v: [r["ms"] for r in data if r["variant"] == v] for v in VARIANTS}
+        return B.bar_plot(plt, "Encoder -> LLM, both trained, one loss", args.sizes, series, "ms / step (median)")
+
+    B.save("peers", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "rows": data, "table": table,
+                     "result": result}, plot)
+    print(result)
+
+
+if __name__ == "__main__":
+    main()
