@@ -29,7 +29,9 @@ unscaled by the engine's factor: raised, naming the parameter, unless the factor
 (gradient_accumulation_steps 1 without fp16), where it is harmless. The walk costs one pass over
 the region's graph per forward, so the check runs during the engine's first
 ``direct_use_check_updates`` updates (1 by default; -1 always; 0 never) and then removes its
-hooks: a direct use that first appears later is not seen. Not checked: ZeRO-3 (its parameters
+hooks: a direct use that first appears later is not seen. A gradient that is not finite (an fp16
+overflow, whose step is skipped) cannot be compared (nan != nan): that window does not count
+towards the updates. Not checked: ZeRO-3 (its parameters
 are partitioned outside module calls, and torch fails first), parameters with tensor hooks of
 their own (they change the sum before the pre-hook sees it), and gradients of reentrant
 checkpointing's nested pass (its recomputed nodes were never walked; such a pass is skipped).
@@ -120,6 +122,7 @@ class MixedUseCheck:
             self._acc[node] = param
             self._handles.append(node.register_prehook(self._make_before_accumulate(param)))
         self._task, self._sums = None, {}  # the recording graph task, {parameter: what the region sent it}
+        self._inconclusive = False  # a gradient of this window was not finite: compared nothing
 
     @property
     def active(self) -> bool:
@@ -169,6 +172,9 @@ class MixedUseCheck:
             got, region = grad_outputs[0], self._sums.pop(param, None)
             if got is None or (region is not None and torch.equal(got, region)) or param._backward_hooks:
                 return  # (the parameter's own tensor hooks ran first and may have changed the sum)
+            if not bool(torch.isfinite(got).all()):
+                self._inconclusive = True  # an fp16 overflow: nan != nan; this window does not count
+                return
             factor = self.scale_factor()
             if factor == 1.0:
                 return
@@ -190,6 +196,10 @@ class MixedUseCheck:
         self._task, self._sums = None, {}
 
     def after_update(self) -> None:
+        """End of an accumulation window; a window whose gradients overflowed is not counted."""
+        if self._inconclusive:
+            self._inconclusive = False
+            return
         if self.updates_left > 0:
             self.updates_left -= 1
             if self.updates_left == 0:

@@ -95,3 +95,14 @@ def test_check_ends_after_its_updates():
     engine.check.after_update()
     assert not engine.check.active and not engine.check._handles  # its accumulator pre-hooks are gone
     (engine(_x()).sum() + F.linear(_x(), engine.module[0].weight).sum()).backward()  # no longer checked
+
+
+def test_an_overflowed_window_is_not_compared_and_not_counted():
+    """fp16 overflow: inf/nan gradients cannot be compared (nan != nan); the window does not count."""
+    engine = FakeEngine(factor=0.5, updates=1)
+    x = _x()
+    (engine(x).sum() * float("nan")).backward()  # every gradient nan, region's and accumulated alike
+    engine.check.after_update()
+    assert engine.check.active, "an overflowed window must not end the check"
+    with pytest.raises(RuntimeError, match=r"received part of its gradient"):
+        (engine(_x()).sum() + F.linear(_x(), engine.module[0].weight).sum()).backward()
