@@ -104,6 +104,19 @@ class Tower(nn.Module):
         return self.out(x).float()
 
 
+class Chain(nn.Module):
+    """The super-module workaround: modules one after another in one module (one engine, one stage)."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, x):
+        for part in self.parts:
+            x = part(x)
+        return x
+
+
 class Scalar(nn.Module):
     """A critic / reward head: a tower and a mean over features -> one value per token."""
 

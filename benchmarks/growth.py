@@ -34,22 +34,10 @@ D_ENGINE, SEQ, MICRO_BS = 128, 32, 8
 P_LAYERS, P_SEQ, P_MICRO_BS = 4, 16, 2
 
 
-class Chain(nn.Module):
-
-    def __init__(self, towers):
-        super().__init__()
-        self.towers = nn.ModuleList(towers)
-
-    def forward(self, x):
-        for t in self.towers:
-            x = t(x)
-        return x
-
-
 class Parallel(nn.Module):
     """The parallel wiring as one module: returns every tower's output."""
 
-    def __init__(self, towers):
+    def __init__(self, *towers):
         super().__init__()
         self.towers = nn.ModuleList(towers)
 
@@ -75,7 +63,7 @@ def _engine_count_variants(n, wiring):
     towers = [B.Tower(D_ENGINE, D_ENGINE, 1, D_ENGINE, seed=k) for k in range(n)]
     engines = [B.build_engine(deepspeed_multi.initialize, copy.deepcopy(t), B.ds_config(2 + k % 2))
                for k, t in enumerate(towers)]
-    whole = (Chain if wiring == "chained" else Parallel)(copy.deepcopy(towers))
+    whole = (B.Chain if wiring == "chained" else Parallel)(*copy.deepcopy(towers))
     upstream = B.build_engine(deepspeed.initialize, whole, B.ds_config(3))
     shape = (MICRO_BS, SEQ, D_ENGINE)
 
@@ -106,7 +94,7 @@ def _param_count_variants(d):
     enc, llm = B.Tower(d, d, 1, d, seed=1), B.Tower(d, d, P_LAYERS, d, seed=2)
     e_enc = B.build_engine(deepspeed_multi.initialize, copy.deepcopy(enc), B.ds_config(2, micro_bs=P_MICRO_BS))
     e_llm = B.build_engine(deepspeed_multi.initialize, copy.deepcopy(llm), B.ds_config(3, micro_bs=P_MICRO_BS))
-    upstream = B.build_engine(deepspeed.initialize, Chain([enc, llm]), B.ds_config(3, micro_bs=P_MICRO_BS))
+    upstream = B.build_engine(deepspeed.initialize, B.Chain(enc, llm), B.ds_config(3, micro_bs=P_MICRO_BS))
     shape = (P_MICRO_BS, P_SEQ, d)
 
     def ours(i):

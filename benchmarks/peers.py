@@ -22,24 +22,12 @@ from __future__ import annotations
 
 import copy
 
-import torch.nn as nn
-
 import _bench as B
 
 # name -> (LLM width, LLM blocks); the encoder is one block of the same width fed 64 features.
 SIZES = {"small": (256, 4), "large": (512, 8)}
 D_IN, ENC_LAYERS, SEQ, MICRO_BS = 64, 1, 32, 8
 VARIANTS = ["ours (Z2 + Z3)", "super-module (Z3)", "FSDP2"]
-
-
-class SuperModule(nn.Module):
-
-    def __init__(self, encoder, llm):
-        super().__init__()
-        self.encoder, self.llm = encoder, llm
-
-    def forward(self, x):
-        return self.llm(self.encoder(x))
 
 
 def _models(size):
@@ -85,7 +73,7 @@ def _build(variant, size, encoder, llm):
             big.step()
         return step
     if variant.startswith("super"):
-        engine = B.build_engine(deepspeed.initialize, SuperModule(encoder, llm), B.ds_config(3, micro_bs=MICRO_BS))
+        engine = B.build_engine(deepspeed.initialize, B.Chain(encoder, llm), B.ds_config(3, micro_bs=MICRO_BS))
 
         def step(i):
             x, y = _batch(i, d, dev)

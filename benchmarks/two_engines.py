@@ -21,23 +21,10 @@ from __future__ import annotations
 
 import copy
 
-import torch.nn as nn
-
 import _bench as B
 
 D_IN, D, ENC_LAYERS, LLM_LAYERS, SEQ, MICRO_BS = 64, 256, 1, 4, 32, 8
 VARIANTS = ["two engines", "super-module", "two engines (frozen LLM)", "super-module (frozen LLM)"]
-
-
-class SuperModule(nn.Module):
-    """The workaround: one module, one engine, one ZeRO stage for everything."""
-
-    def __init__(self, encoder, llm):
-        super().__init__()
-        self.encoder, self.llm = encoder, llm
-
-    def forward(self, x):
-        return self.llm(self.encoder(x))
 
 
 def _models():
@@ -72,7 +59,7 @@ def _build(variant, encoder, llm):
 
     if frozen:
         llm.requires_grad_(False)
-    engine = B.build_engine(deepspeed.initialize, SuperModule(encoder, llm), B.ds_config(3, micro_bs=MICRO_BS))
+    engine = B.build_engine(deepspeed.initialize, B.Chain(encoder, llm), B.ds_config(3, micro_bs=MICRO_BS))
 
     def step(i):
         x, y = _batch(i, dev)
