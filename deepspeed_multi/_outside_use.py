@@ -34,7 +34,8 @@ overflow, whose step is skipped) cannot be compared (nan != nan): that window do
 towards the updates. Not checked: ZeRO-3 (its parameters
 are partitioned outside module calls, and torch fails first), parameters with tensor hooks of
 their own (they change the sum before the pre-hook sees it), and gradients of reentrant
-checkpointing's nested pass (its recomputed nodes were never walked; such a pass is skipped).
+checkpointing's nested pass (its recomputed nodes were never walked; such a pass is skipped),
+and sparse gradients.
 
 Reentrant activation checkpointing runs the checkpointed part's backward as a nested backward
 pass. When every parameter of an engine sits inside checkpointed parts, the outer pass crosses
@@ -170,8 +171,11 @@ class MixedUseCheck:
             if torch._C._current_graph_task_id() != self._task:
                 return  # the region sent nothing in this pass (reentrant checkpointing's nested pass)
             got, region = grad_outputs[0], self._sums.pop(param, None)
-            if got is None or (region is not None and torch.equal(got, region)) or param._backward_hooks:
-                return  # (the parameter's own tensor hooks ran first and may have changed the sum)
+            sparse = got is not None and (got.layout != torch.strided or (region is not None and region.is_sparse))
+            if got is None or sparse or param._backward_hooks:
+                return  # sparse: not compared; the parameter's own tensor hooks ran first and changed the sum
+            if region is not None and torch.equal(got, region):
+                return
             if not bool(torch.isfinite(got).all()):
                 self._inconclusive = True  # an fp16 overflow: nan != nan; this window does not count
                 return
