@@ -171,9 +171,10 @@ class MixedUseCheck:
             if torch._C._current_graph_task_id() != self._task:
                 return  # the region sent nothing in this pass (reentrant checkpointing's nested pass)
             got, region = grad_outputs[0], self._sums.pop(param, None)
-            sparse = got is not None and (got.layout != torch.strided or (region is not None and region.is_sparse))
-            if got is None or sparse or param._backward_hooks:
-                return  # sparse: not compared; the parameter's own tensor hooks ran first and changed the sum
+            if got is None or param._backward_hooks:
+                return  # (the parameter's own tensor hooks ran first and may have changed the sum)
+            if got.layout != torch.strided or (region is not None and region.is_sparse):
+                return  # sparse: torch.equal has no sparse kernel; not compared
             if region is not None and torch.equal(got, region):
                 return
             if not bool(torch.isfinite(got).all()):

@@ -79,7 +79,7 @@ class Region:
     def exit_forward(self) -> None:
         self.depth -= 1
         self._suspended -= 1
-        if self._suspended == 0 and self._handles:
+        if self._suspended == 0:  # (after remove() there is nothing to put back)
             for module, pre_id, pre, post_id, post in self._hooks:
                 hooks = module.__dict__
                 hooks["_forward_pre_hooks"][pre_id] = pre
