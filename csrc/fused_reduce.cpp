@@ -475,6 +475,59 @@ at::Tensor unpack_accumulate(const at::Tensor& src, const std::vector<at::Tensor
   return run(plan, static_cast<float>(scale), accumulate, src.device());
 }
 
+at::Tensor pack_partitions(const std::vector<at::Tensor>& tensors, const at::Tensor& out, int64_t world,
+                           double scale) {
+  // ZeRO-3's interleaved reduce-scatter input in one pass: rank r's block of out holds, for each
+  // tensor i, its r-th chunk of c_i = ceil(n_i / world) elements at offset sum_{j<i} c_j; the
+  // blocks are P = sum_i c_i long. A chunk shorter than c_i (the tail of a tensor whose numel is
+  // not a multiple of world) leaves its padding untouched.
+  constexpr const char* op = "pack_partitions";
+  const Arg out_arg{"out", -1};
+  check_flat(op, out_arg, out);
+  const int out_code = checked_code(op, out_arg, out);
+  if (world < 1) {
+    throw py::value_error(std::string(op) + ": world must be >= 1 (the number of ranks the tensors are "
+                          "partitioned over), got " + std::to_string(world));
+  }
+  std::vector<int64_t> chunk(tensors.size());
+  int64_t block = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    chunk[i] = (tensors[i].numel() + world - 1) / world;
+    block += chunk[i];
+  }
+  if (block * world > out.numel()) {
+    throw py::value_error(std::string(op) + ": " + describe(out_arg, out) + " has " + std::to_string(out.numel()) +
+                          " elements but world * sum(ceil(numel / world)) = " + std::to_string(block * world) +
+                          " are needed; allocate out with that many elements");
+  }
+  char* dst = static_cast<char*>(out.data_ptr());
+  const int64_t out_size = out.element_size();
+  Plan plan(tensors.size() * static_cast<size_t>(world));
+  std::vector<at::Tensor> srcs;  // contiguous (a copy where a tensor is not), alive until run() returns
+  srcs.reserve(tensors.size());
+  std::vector<int> codes(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const Arg name{"tensors", static_cast<int64_t>(i)};
+    codes[i] = checked_code(op, name, t);
+    check_device(op, name, t, "out", out.device());
+    srcs.push_back(t.numel() > 0 && !t.is_contiguous() ? t.contiguous() : t);
+  }
+  for (int64_t r = 0; r < world; ++r) {
+    int64_t offset = r * block;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const int64_t n = srcs[i].numel();
+      const int64_t begin = std::min(r * chunk[i], n), end = std::min(r * chunk[i] + chunk[i], n);
+      if (end > begin) {
+        const char* src = static_cast<const char*>(srcs[i].data_ptr()) + begin * srcs[i].element_size();
+        plan.add(src, codes[i], dst + offset * out_size, out_code, end - begin);
+      }
+      offset += chunk[i];
+    }
+  }
+  return run(plan, static_cast<float>(scale), /*accumulate=*/false, out.device());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -486,6 +539,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "For each outs[i], assign (or add, if accumulate) src[o_i:o_i+n_i].float() * scale; "
         "returns a 0-dim float32 flag (1.0 if any written value is inf/nan).",
         py::arg("src"), py::arg("outs"), py::arg("scale"), py::arg("accumulate"));
+  m.def("pack_partitions", &pack_partitions,
+        "ZeRO-3's reduce-scatter input: for each rank r, for each tensor i, write its r-th chunk of "
+        "ceil(numel_i / world) elements, * scale and cast to out.dtype, at out[r * P + sum_{j<i} c_j] "
+        "(P = sum_i c_i); padding is left untouched; returns the non-finite flag.",
+        py::arg("tensors"), py::arg("out"), py::arg("world"), py::arg("scale"));
 #ifdef DSM_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

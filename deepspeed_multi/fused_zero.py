@@ -14,6 +14,8 @@ ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3.partition_grads``)
     consecutive views (e.g. a dtype conversion made each one a separate tensor, or the
     ``reduce_scatter=false`` path).
 
+    The pass before the reduce-scatter (the interleaved cat and divide) is ``zero3_scatter.py``.
+
 ZeRO-2 (``DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks``, partition_gradients)
     The pass hit in unmanaged accumulation with ``reduce_scatter`` on (the default): the reduced
     flat bucket is copied back slice by slice into the IPG bucket (``buf.copy_(synced)``) and,
@@ -35,7 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import ops, zero2_pack
+from . import ops, zero2_pack, zero3_scatter
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +100,19 @@ def _z3_partition_grads(self, params_to_release, grad_partitions):
     grad_partition_of = getattr(self, _Z3_GRAD_PARTITIONS)
 
     real_params, srcs, buffers = [], [], []
+    # The only caller, __reduce_and_partition_ipg_grads, asserts one partition group per bucket,
+    # so the rank is looked up once, not once per parameter as the original does.
+    rank = self._get_param_partition_rank(params_to_release[0]) if params_to_release else 0
     for param, grad_partition in zip(params_to_release, grad_partitions):
         # Same test as the original: a partition beyond the parameter's data is skipped.
-        if param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
+        if param.partition_numel() * rank < param.ds_numel:
             real_params.append(param)
             srcs.append(grad_partition)
             buffers.append(grad_partition_of[param.ds_id].narrow(0, 0, grad_partition.numel()))
-    runs = consecutive_runs(srcs) if srcs else None
+    if zero3_scatter.is_one_run(self, grad_partitions) and len(srcs) == len(grad_partitions):
+        runs = [(0, len(srcs))]  # split from one flat block by zero3_scatter: no need to look
+    else:
+        runs = consecutive_runs(srcs) if srcs else None
     if (not runs or len(runs) == len(srcs)
             or any(b.device != s.device or b.dtype not in _SUPPORTED_DTYPES or not b.is_contiguous()
                    for b, s in zip(buffers, srcs))):
@@ -205,9 +213,10 @@ def _bind(optimizer, name, replacement) -> None:
 def install(optimizer) -> bool:
     """Route ``optimizer``'s bucket passes through the fused ops; return whether anything changed.
 
-    Supported: ZeRO-3 without optimizer offload (``partition_grads``) and ZeRO-2 (``partition_
-    gradients``) without CPU offload (``allreduce_and_copy_with_multiple_ranks``), neither with
-    ZenFlow. Anything else (stage 1, offload, a subclass that overrides the method, an optimizer
+    Supported: ZeRO-3 without optimizer offload (``partition_grads``, ``zero3_scatter``), ZeRO-2
+    (``partition_gradients``) without CPU offload (``allreduce_and_copy_with_multiple_ranks``,
+    ``zero2_pack``), neither with ZenFlow, and ZeRO-1 where ``zero2_pack`` applies. Anything else
+    (offload, a subclass that overrides the method, an optimizer
     already installed, ``DSM_FUSED_ZERO=0``) returns False and changes nothing.
     """
     if os.environ.get(ENV, "1").strip() == "0":
@@ -225,11 +234,19 @@ def install(optimizer) -> bool:
             return False
         optimizer._dsm_fused_zero = {}
         _bind(optimizer, "partition_grads", _z3_partition_grads)
+        zero3_scatter.install(optimizer)  # and the pass before the reduce-scatter: one pack per bucket
         _log_once("z3", "deepspeed_multi fused_zero: ZeRO-3 partition_grads (copy/accumulate of the reduced "
                   "grad partitions) fused, backend %s", ops.active_backend())
         return True
+    if isinstance(optimizer, DeepSpeedZeroOptimizer) and not getattr(optimizer, "partition_gradients", False):
+        # ZeRO-1: DeepSpeed reduces at the update; only the pass before the reduction is fused.
+        if not zero2_pack.install(optimizer):
+            return False
+        optimizer._dsm_fused_zero = {}
+        _log_once("z1", "deepspeed_multi fused_zero: ZeRO-1 bucket pack fused, backend %s", ops.active_backend())
+        return True
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
-        if (not getattr(optimizer, "partition_gradients", False) or getattr(optimizer, "cpu_offload", True)
+        if (getattr(optimizer, "cpu_offload", True)
                 or getattr(optimizer, "zenflow", False)
                 or not _is_exact_method(optimizer, DeepSpeedZeroOptimizer, "allreduce_and_copy_with_multiple_ranks")
                 or not _is_exact_method(optimizer, DeepSpeedZeroOptimizer, "_add_to_grad_partition_buffer")):

@@ -1,4 +1,4 @@
-"""ZeRO-2: gradients enter the reduction bucket in one fused pack per flush, not one copy each.
+"""ZeRO-1/2: gradients enter the reduction bucket in one fused pack per flush, not one copy each.
 
 [Note: deferring the copy into the bucket]
 DeepSpeed's per-parameter hook, ``DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_
@@ -14,7 +14,9 @@ pack first, and nothing else reads the bucket or those gradients in between. A c
 so the reduced values are bit-identical to DeepSpeed's path (asserted in tests/unit and the
 multi-process tests against fused off).
 
-Applies at ZeRO-2 (``partition_gradients``) with ``contiguous_gradients``, without CPU offload
+ZeRO-1 reaches the same method once per parameter at the update (``reduce_gradients``, the
+boundary's loop over every parameter, instead of the hooks during backward), so the same pack
+applies there. Applies at ZeRO-1 and ZeRO-2 with ``contiguous_gradients``, without CPU offload
 (its stream/event bookkeeping), ZenFlow or AutoEP folding, and only where DeepSpeed's methods
 are not overridden. Per call, a parameter larger than the bucket or not yet ready
 (``ds_grad_is_ready``) or without a gradient packs what is pending and runs DeepSpeed's method.
@@ -111,8 +113,7 @@ def applies(optimizer) -> bool:
         return False
     exact = all(name not in vars(optimizer) and getattr(type(optimizer), name) is getattr(DeepSpeedZeroOptimizer, name)
                 for name in ("reduce_independent_p_g_buckets_and_remove_grads", "reduce_ipg_grads"))
-    return (exact and getattr(optimizer, "partition_gradients", False)
-            and getattr(optimizer, "contiguous_gradients", False) and not getattr(optimizer, "cpu_offload", True)
+    return (exact and getattr(optimizer, "contiguous_gradients", False) and not getattr(optimizer, "cpu_offload", True)
             and not getattr(optimizer, "zenflow", False) and getattr(optimizer, "autoep_folding_tp_group", None) is None
             and not getattr(optimizer, "_offload_gradient_safety_enabled", True) and hasattr(optimizer, "ipg_buckets"))
 

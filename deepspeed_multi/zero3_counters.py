@@ -9,7 +9,8 @@ A second backward through the same retained graph would find them spent and run 
 (a new autograd graph task) first reaches that forward's outputs, arms it again, so the
 parameters are gathered again.
 """
-from typing import Dict, Tuple
+import weakref
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -41,15 +42,29 @@ def cover_outputs(module: torch.nn.Module, outputs):
     return tree_map(cover, outputs)
 
 
-def snapshot(module: torch.nn.Module) -> Dict[torch.nn.Module, Tuple[int, int]]:
-    return {m: (m.__dict__.get(_PRE, 0), m.__dict__.get(_POST, 0)) for m in module.modules()}
+_SUBMODULES: "weakref.WeakKeyDictionary[torch.nn.Module, List[torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def _submodules(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """``list(module.modules())``, walked once per module: ZeRO-3 registers its counting hooks at
+    initialization, on the modules that exist then, so the list the counters live on is fixed."""
+    found = _SUBMODULES.get(module)
+    if found is None:
+        found = _SUBMODULES[module] = list(module.modules())
+    return found
+
+
+def snapshot(module: torch.nn.Module) -> List[Tuple[int, int]]:
+    """The two counters of every submodule of ``module`` (in ``module.modules()`` order)."""
+    return [(d.get(_PRE, 0), d.get(_POST, 0)) for d in [m.__dict__ for m in _submodules(module)]]
 
 
 def armed_by_forward(before, module: torch.nn.Module) -> Dict[torch.nn.Module, Tuple[int, int]]:
     """What one forward added to the counters (``before`` is ``snapshot`` taken before it)."""
     added = {}
-    for m, (pre, post) in snapshot(module).items():
-        pre0, post0 = before.get(m, (0, 0))
+    for m, (pre0, post0) in zip(_submodules(module), before):
+        d = m.__dict__
+        pre, post = d.get(_PRE, 0), d.get(_POST, 0)
         # DeepSpeed resets ds_grads_remaining at each forward of the submodule, so what this
         # forward armed is the value it left (when it ran the submodule at all).
         d_pre, d_post = pre - pre0, (post if pre > pre0 else post - post0)

@@ -13,7 +13,14 @@ API (stable; identical in the extension and in :mod:`deepspeed_multi.ops.referen
     ``outs[i] += ...`` (``accumulate=True``), computed in float32 and cast once. ``src`` is 1-D
     and contiguous; ``outs`` must be contiguous.
 
-Both return a 0-dim float32 tensor on the data's device: 1.0 if any input or written value is
+``pack_partitions(tensors, out, world, scale) -> flag``
+    ZeRO-3's reduce-scatter input (``reduce_scatter_coalesced``'s interleaved cat) in one pass:
+    with ``c_i = ceil(n_i / world)`` and ``P = sum(c_i)``, rank ``r``'s block ``out[r*P:(r+1)*P]``
+    holds each tensor's ``r``-th chunk ``t.reshape(-1)[r*c_i:(r+1)*c_i]`` at offset
+    ``sum(c_j for j < i)``, ``* scale`` and cast. A chunk shorter than ``c_i`` leaves its padding
+    untouched. ``out`` needs at least ``world * P`` elements.
+
+All three return a 0-dim float32 tensor on the data's device: 1.0 if any input or written value is
 inf/nan, else 0.0 (computed in the same pass; on CUDA it is not synchronized). Supported
 dtypes: float32, bfloat16, float16, any pair. Bad arguments raise ValueError naming the tensor.
 
@@ -76,6 +83,11 @@ def pack(tensors: Sequence[Tensor], out: Tensor, scale: float) -> Tensor:
 def unpack_accumulate(src: Tensor, outs: Sequence[Tensor], scale: float, accumulate: bool) -> Tensor:
     """Scatter ``src`` into ``outs`` scaled by ``scale`` (assign or add); return the flag."""
     return (_impl or _select()).unpack_accumulate(src, outs, scale, accumulate)
+
+
+def pack_partitions(tensors: Sequence[Tensor], out: Tensor, world: int, scale: float) -> Tensor:
+    """Write the rank-interleaved chunks of ``tensors`` into ``out`` scaled by ``scale``; return the flag."""
+    return (_impl or _select()).pack_partitions(tensors, out, world, scale)
 
 
 def _reset_for_tests() -> None:

@@ -116,3 +116,35 @@ def unpack_accumulate(src: Tensor, outs: Sequence[Tensor], scale: float, accumul
     else:
         torch._foreach_copy_(outs, scaled)
     return _nonfinite_flag(outs, src.device)
+
+
+def pack_partitions(tensors: Sequence[Tensor], out: Tensor, world: int, scale: float) -> Tensor:
+    """Reference of :func:`deepspeed_multi.ops.pack_partitions`."""
+    op = "pack_partitions"
+    _check_flat(op, "out", out)
+    if world < 1:
+        raise ValueError(f"{op}: world must be >= 1 (the number of ranks the tensors are partitioned over), "
+                         f"got {world}")
+    chunks = [-(-t.numel() // world) for t in tensors]
+    block = sum(chunks)
+    if block * world > out.numel():
+        raise ValueError(f"{op}: {_describe('out', out)} has {out.numel()} elements but world * "
+                         f"sum(ceil(numel / world)) = {block * world} are needed; allocate out with that many "
+                         "elements")
+    srcs, dsts = [], []
+    for i, t in enumerate(tensors):
+        _check_dtype(op, f"tensors[{i}]", t)
+        _check_device(op, f"tensors[{i}]", t, "out", out.device)
+    for r in range(world):
+        offset = r * block
+        for t, c in zip(tensors, chunks):
+            part = t.reshape(-1)[r * c:r * c + c]
+            if part.numel():
+                srcs.append(part)
+                dsts.append(out[offset:offset + part.numel()])
+            offset += c
+    if not srcs:
+        return _nonfinite_flag([], out.device)
+    scaled = torch._foreach_mul([s.float() for s in srcs], scale)
+    torch._foreach_copy_(dsts, scaled)
+    return _nonfinite_flag(dsts, out.device)

@@ -1,13 +1,17 @@
-"""The ZeRO-2/3 scenarios of the matrix again, with buckets large enough for the fused passes.
+"""The ZeRO-1/2/3 scenarios of the matrix again, with buckets large enough for the fused passes.
 
 The matrix's configs use 64-element buckets (to exercise bucketing), so most buckets hold one
 parameter and fused_zero falls back to DeepSpeed's method (nothing to fuse). Here the same
 scenarios run with 4096-element buckets, where every bucket holds several parameters, and
 each rank asserts that the fused ops actually ran (unless DSM_FUSED_ZERO=0). The "fp32acc"
 variant adds ``data_types.grad_accum_dtype = fp32`` so that 16-bit ZeRO-2 goes through the
-compact fp32 partition (the add pass of allreduce_and_copy_with_multiple_ranks).
+compact fp32 partition (the add pass of allreduce_and_copy_with_multiple_ranks). The "world3"
+variant runs on 3 ranks, where 1/world is not a power of two, so ZeRO-3's reduce-scatter input
+is packed unscaled and divided as DeepSpeed divides it (zero3_scatter.py), and most gradients
+leave a padded tail on the last rank.
 """
 import os
+import re
 
 import pytest
 
@@ -15,19 +19,18 @@ import scenarios
 from harness import run_distributed
 
 NAMES = [
-    "single-z2", "single-z2-bf16", "single-z2-fp16", "single-z2-gas2", "single-z3", "single-z3-bf16",
+    "single-z1", "single-z1-bf16", "single-z1-gas2", "chain-z1z3-gas22", "single-z2", "single-z2-bf16", "single-z2-fp16", "single-z2-gas2", "single-z3", "single-z3-bf16",
     "single-z3-gas2", "chain-z2z3-gas22", "chain-z3z3-gas31", "chain-z2z3-bf16", "two-backward-z2-gas2",
     "two-backward-z3", "zero-grad-discards-z3"
 ]
 BUCKET = 4096
 
 
-def check_with_large_buckets(names, bucket, fp32_accum):
+def check_with_large_buckets(names, bucket, fp32_accum, world):
     """Runs in every rank: patch the scenarios' config builder, count fused calls, check."""
     from deepspeed_multi import ops
-    from deepspeed_multi import fused_zero
 
-    base = scenarios.ds_config
+    base, factories = scenarios.ds_config, dict(scenarios.SCENARIOS)
 
     def ds_config(*args, **kwargs):
         cfg = base(*args, **kwargs)
@@ -37,30 +40,58 @@ def check_with_large_buckets(names, bucket, fp32_accum):
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         return cfg
 
-    calls = [0]
-    unpack = ops.unpack_accumulate
+    def on_world(factory):
 
-    def counting_unpack(*args, **kwargs):
-        calls[0] += 1
-        return unpack(*args, **kwargs)
+        def build():
+            scenario = factory()
+            scenario.world_size = world
+            return scenario
+
+        return build
+
+    calls = dict.fromkeys(("pack", "pack_partitions", "unpack_accumulate"), 0)
+    originals = {name: getattr(ops, name) for name in calls}
+
+    def counting(name):
+
+        def op(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return op
 
     scenarios.ds_config = ds_config
-    fused_zero.ops.unpack_accumulate = counting_unpack
+    scenarios.SCENARIOS.update({n: on_world(factories[n]) for n in names})
+    for name in calls:
+        setattr(ops, name, counting(name))
     try:
         scenarios.check_many(names)
     finally:
         scenarios.ds_config = base
-        fused_zero.ops.unpack_accumulate = unpack
-    if os.environ.get(fused_zero.ENV, "1") == "0":
-        assert calls[0] == 0, "DSM_FUSED_ZERO=0 but the fused ops ran"
-    else:
-        assert calls[0] > 0, "the fused ZeRO passes never ran: every bucket fell back"
+        scenarios.SCENARIOS.update(factories)
+        for name, op in originals.items():
+            setattr(ops, name, op)
+    if os.environ.get("DSM_FUSED_ZERO", "1") == "0":
+        assert not any(calls.values()), f"DSM_FUSED_ZERO=0 but the fused ops ran: {calls}"
+        return
+    # Which fused passes the scenarios must reach: z1/z2 the bucket pack, z2/z3 the copy-back,
+    # z3 the reduce-scatter input.
+    stages = {int(z) for n in names for z in re.findall(r"z(\d)", n)}
+    expected = {"pack": bool(stages & {1, 2}), "unpack_accumulate": bool(stages & {2, 3}),
+                "pack_partitions": 3 in stages}
+    for name, needed in expected.items():
+        if needed:
+            assert calls[name] > 0, f"the fused ZeRO pass {name} never ran: every bucket fell back ({calls})"
 
 
-@pytest.mark.parametrize("fp32_accum", [False, True], ids=["default", "fp32acc"])
-def test_fused_matrix(fp32_accum):
+@pytest.mark.parametrize("variant", ["default", "fp32acc", "world3"])
+def test_fused_matrix(variant):
     names = [n for n in NAMES if n in scenarios.SCENARIOS]
     assert len(names) == len(NAMES), sorted(set(NAMES) - set(scenarios.SCENARIOS))
-    if fp32_accum:
+    world = 3 if variant == "world3" else 2
+    if variant == "fp32acc":
         names = [n for n in names if "bf16" in n or "fp16" in n]
-    run_distributed(check_with_large_buckets, names, BUCKET, fp32_accum, world_size=2, timeout_s=90 + 20 * len(names))
+    if variant == "world3":
+        names = ["single-z1", "single-z2-gas2", "single-z3-gas2", "chain-z2z3-gas22", "single-z3-bf16"]
+    run_distributed(check_with_large_buckets, names, BUCKET, variant == "fp32acc", world, world_size=world,
+                    timeout_s=90 + 20 * len(names))

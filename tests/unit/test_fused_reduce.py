@@ -3,6 +3,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepspeed_multi.ops import builder
 from deepspeed_multi.ops import reference as ref
@@ -182,3 +184,78 @@ def test_cuda_matches_reference(ext, in_dtype, out_dtype):
     tensors[-2][0] = float("nan")
     _, flag = check_pack(ext, tensors, out_dtype)
     assert flag.item() == 1.0
+
+
+# ------------------------------------------------------------------ pack_partitions
+def deepspeed_interleave(tensors, world, dtype=torch.float32):
+    """The flat input DeepSpeed's reduce_scatter_coalesced builds (its cat, before the divide),
+    with the padding as NaN so that a test sees whether the op leaves it untouched."""
+    parts = []
+    for r in range(world):
+        for t in tensors:
+            c = -(-t.numel() // world)
+            chunk = t.reshape(-1)[r * c:r * c + c]
+            parts += [chunk, torch.full((c - chunk.numel(), ), float("nan"), dtype=t.dtype)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 2, 3, 5, 7, 8, 31, 32, 33, 1023, 1024, 1025, (1 << 15) + 1]),
+                      max_size=12),
+       world=st.integers(1, 5), dtype=st.sampled_from(DTYPES), out_dtype=st.sampled_from(DTYPES),
+       scale=st.sampled_from([1.0, 0.5, 0.25, 0.3]), seed=st.integers(0, 2**16))
+def test_pack_partitions_is_deepspeeds_interleave(ext, sizes, world, dtype, out_dtype, scale, seed):
+    """Every chunk lands where reduce_scatter_coalesced puts it, * scale, cast; padding untouched.
+
+    Where scale = 1/world is a power of two this equals DeepSpeed's cat + div_ bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [randn(n, dtype, gen=gen) for n in sizes]
+    expected = deepspeed_interleave(tensors, world, dtype)
+    total = expected.numel()
+    pad = torch.isnan(expected)
+    for impl in (ext, ref):
+        out = torch.full((total + 2, ), float("nan"), dtype=out_dtype)
+        flag = impl.pack_partitions(tensors, out, world, scale)
+        assert flag.item() == 0.0
+        assert torch.isnan(out[total:]).all() and torch.isnan(out[:total][pad]).all()
+        if 1 / scale == world and dtype == out_dtype:
+            same(out[:total][~pad], expected[~pad].div_(world))  # DeepSpeed's pre-divide
+        same(out[:total][~pad], (expected[~pad].float() * scale).to(out_dtype))
+
+
+def test_pack_partitions_noncontiguous_and_flag(ext):
+    base = torch.randn(40, 30)
+    tensors = [base.t(), torch.randn(7), base[1:, 3:5]]
+    expected = deepspeed_interleave(tensors, 2)
+    data = ~torch.isnan(expected)
+    for impl in (ext, ref):
+        out = torch.zeros(expected.numel())
+        assert impl.pack_partitions(tensors, out, 2, 0.5).item() == 0.0
+        same(out[data], expected[data] * 0.5)
+        kept, tensors[1][6] = tensors[1][6].item(), float("inf")
+        assert impl.pack_partitions(tensors, out, 2, 0.5).item() == 1.0
+        tensors[1][6] = kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pack_partitions_matches_reference(ext):
+    gen = torch.Generator().manual_seed(3)
+    tensors = [randn(n, torch.float32, gen=gen) for n in SIZES + [3 * CHUNK + 5]]
+    for world in (1, 2, 3, 8):
+        total = world * sum(-(-t.numel() // world) for t in tensors)
+        out, expected = torch.zeros(total, device="cuda"), torch.zeros(total)
+        ext.pack_partitions([t.cuda() for t in tensors], out, world, 1 / world)
+        ref.pack_partitions(tensors, expected, world, 1 / world)
+        same(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("impl_name", ["ext", "ref"])
+def test_pack_partitions_refusals(ext, impl_name):
+    impl = ext if impl_name == "ext" else ref
+    with pytest.raises(ValueError, match=r"pack_partitions: out .* has 8 elements but world \* sum\(ceil\(numel / "
+                                         r"world\)\) = 10 are needed"):
+        impl.pack_partitions([torch.randn(5), torch.randn(4)], torch.empty(8), 2, 1.0)
+    with pytest.raises(ValueError, match=r"world must be >= 1"):
+        impl.pack_partitions([torch.randn(5)], torch.empty(8), 0, 1.0)
+    with pytest.raises(ValueError, match=r"tensors\[1\].*int64"):
+        impl.pack_partitions([torch.randn(2), torch.ones(2, dtype=torch.int64)], torch.empty(8), 2, 1.0)

@@ -1,4 +1,4 @@
-"""zero2_pack: the deferred, fused copy into ZeRO-2's IPG bucket against DeepSpeed's own
+"""zero2_pack: the deferred, fused copy into the IPG bucket of ZeRO-1 and ZeRO-2 against DeepSpeed's own
 per-parameter method, on a fake optimizer (single process, no process group).
 
 Both paths get the same stream of gradients (sizes drawn around the bucket size, dtypes mixed
@@ -19,9 +19,9 @@ class FakeParam(torch.nn.Parameter):
     pass
 
 
-def fake_z2(bucket_size, overlap, comm_dtype):
+def fake_z2(bucket_size, overlap, comm_dtype, stage=2):
     opt = object.__new__(DeepSpeedZeroOptimizer)
-    vars(opt).update(partition_gradients=True, contiguous_gradients=True, cpu_offload=False, zenflow=False,
+    vars(opt).update(partition_gradients=stage == 2, contiguous_gradients=True, cpu_offload=False, zenflow=False,
                      autoep_folding_tp_group=None, _offload_gradient_safety_enabled=False, overlap_comm=overlap,
                      reduce_bucket_size=bucket_size, use_grad_accum_attribute=False, communication_data_type=comm_dtype,
                      param_id={}, params_already_reduced=[], extra_large_param_to_reduce={})
@@ -66,8 +66,8 @@ def run(opt, params, grads, deferred):
 @given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=24), bucket=st.integers(8, 48),
        overlap=st.booleans(), dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                       (torch.float32, torch.bfloat16), (torch.float16, torch.float32)]),
-       seed=st.integers(0, 2**16))
-def test_deferred_pack_matches_deepspeed(sizes, bucket, overlap, dtypes, seed):
+       seed=st.integers(0, 2**16), stage=st.sampled_from([1, 2]))
+def test_deferred_pack_matches_deepspeed(sizes, bucket, overlap, dtypes, seed, stage):
     grad_dtype, comm_dtype = dtypes
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(n, generator=gen).to(grad_dtype).reshape(-1, 1) if n % 2 else
@@ -75,7 +75,7 @@ def test_deferred_pack_matches_deepspeed(sizes, bucket, overlap, dtypes, seed):
     results = []
     for deferred in (False, True):
         params = [FakeParam(torch.zeros(g.shape, dtype=grad_dtype)) for g in grads]
-        opt = fake_z2(bucket, overlap, comm_dtype)
+        opt = fake_z2(bucket, overlap, comm_dtype, stage)
         flushes = run(opt, params, grads, deferred)
         results.append((flushes, params, opt))
     (want, p_want, opt_want), (got, p_got, opt) = results
@@ -97,7 +97,7 @@ def test_deferred_pack_matches_deepspeed(sizes, bucket, overlap, dtypes, seed):
 
 
 def test_install_refuses_what_it_does_not_cover():
-    for change in [dict(partition_gradients=False), dict(contiguous_gradients=False), dict(cpu_offload=True),
+    for change in [dict(contiguous_gradients=False), dict(cpu_offload=True),
                    dict(zenflow=True), dict(_offload_gradient_safety_enabled=True)]:
         opt = fake_z2(16, False, torch.float32)
         vars(opt).update(change)
