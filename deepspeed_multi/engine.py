@@ -13,13 +13,15 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from . import _outside_use, fused_zero, grad_scale, misuse, watchdog, zero_hook_count, zero3_counters, zero_buffers
+from . import (_outside_use, fused_zero, grad_scale, misuse, watchdog, zero2_pack, zero_hook_count, zero3_counters,
+               zero_buffers)
 from ._boundary import wrap_inputs, wrap_outputs
 from ._region import Region
 from ._tree import tree_tensors
 from ._state import TrainingState
 from .config import MultiOptions
 from .misuse import _any_param_in_current_graph, _in_backward
+from .rank_agreement import RankAgreement
 from .skip_group import SkipGroup
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,10 @@ class MultiEngine(DeepSpeedEngine):
         self._user_managed_boundary = user_managed_boundary
         self._window_micro_steps = 0
         self._window_backwards = 0
-        # One tiny all-reduce per update at ZeRO 0/1; DSM_CHECK_RANK_AGREEMENT=0 turns it off.
+        # One tiny all-reduce per update at ZeRO 0/1, off the critical path (rank_agreement.py);
+        # DSM_CHECK_RANK_AGREEMENT=0 turns it off.
         self.check_rank_agreement = os.environ.get("DSM_CHECK_RANK_AGREEMENT", "1") != "0"
+        self._rank_agreement = RankAgreement(self)
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
         # The region: engine(...) and every call of a submodule made outside it (_region.py);
         # gradients that reach a parameter without crossing it raise (_outside_use.py).
@@ -72,6 +76,8 @@ class MultiEngine(DeepSpeedEngine):
         zero_buffers.start_window(self.optimizer)
         if self.options.fused_reduce:
             fused_zero.install(self.optimizer)
+        # The rank-agreement wait goes after the bucket pack, right before the first collective.
+        self._agreement_in_pack = zero2_pack.run_before_reduction(self.optimizer, self._rank_agreement.finish)
         self.skip_group = None
         if self.options.skip_group is not None and self.trains:
             self.skip_group = SkipGroup.named(self.options.skip_group)
@@ -251,28 +257,10 @@ class MultiEngine(DeepSpeedEngine):
                 yield
 
     def allreduce_gradients(self, *args, **kwargs):
+        if not self._agreement_in_pack:
+            self._rank_agreement.finish()  # before the first gradient collective (rank_agreement.py)
         with misuse.own_dp_group(self):  # ZeRO-0 reduces over DeepSpeed's process-wide group
             super().allreduce_gradients(*args, **kwargs)
-
-    def _check_ranks_agree(self):
-        """Every rank must have run the same number of backward passes through this engine.
-
-        A backward that reaches an engine on some ranks only leaves its collectives unmatched;
-        ZeRO-0/1 reduce at the update, so they are caught here before the mismatch. ZeRO-2/3
-        reduce during backward: a mismatch there blocks in that collective before any rank gets
-        here (until the process-group timeout of deepspeed.init_distributed), so the check,
-        one all-reduce and a host sync per update, is not run for them.
-        """
-        counts = torch.tensor([self._window_backwards, -self._window_backwards], dtype=torch.int64,
-                              device=self.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        high, low = counts[0].item(), -counts[1].item()
-        if high != low:
-            raise RuntimeError(
-                f"MultiEngine ({self._engine_name()}): ranks disagree on how many backward passes reached this "
-                f"engine since its last update (between {low} and {high}; this rank: {self._window_backwards}). "
-                "Every rank must use the engine's outputs in the loss it backpropagates (multiply by 0 to keep "
-                "an output in the graph on ranks that do not need it).")
 
     @watchdog.watched("step")
     def step(self, lr_kwargs=None):
@@ -293,10 +281,11 @@ class MultiEngine(DeepSpeedEngine):
                 self._mixed_use = None
         misuse.check_requires_grad_unchanged(self)
         if self.trains and self.check_rank_agreement and not self.zero_optimization_partition_gradients():
-            self._check_ranks_agree()
+            self._rank_agreement.start(self._window_backwards)  # finished before the first collective
         accumulated = self._window_backwards > 0
         self._window_backwards = 0
         if self.skip_group is not None:
+            self._rank_agreement.finish()
             skip = self.skip_group.should_skip(self)
             self._updates_done += 1
             self._nonfinite.zero_()
@@ -304,10 +293,12 @@ class MultiEngine(DeepSpeedEngine):
                 self._skip_update()
                 return
         if not accumulated:
+            self._rank_agreement.finish()  # decide this path together with the other ranks
             self._step_without_gradients(lr_kwargs)
             return
         try:
             super().step(lr_kwargs)
+            self._rank_agreement.finish()  # (no-op: DeepSpeed's reduction finished it)
         except BaseException:
             self._abort_step()
             raise
@@ -344,6 +335,7 @@ class MultiEngine(DeepSpeedEngine):
         window. An optimizer that raised after updating part of its parameters keeps that part.
         """
         self._running_engine_step = False
+        self._rank_agreement.discard()
         for name in self.engine_timers.step_timers:
             timer = self.timers(name)
             if getattr(timer, "started_", False):

@@ -104,7 +104,23 @@ def reserve(self, param, i):
 
 def _reduce_ipg_grads(self, *args, **kwargs):
     pack_pending(self)
-    return self._dsm_zero2_pack["reduce_ipg_grads"](*args, **kwargs)
+    state = self._dsm_zero2_pack
+    if state["before_reduction"] is not None:
+        state["before_reduction"]()
+    return state["reduce_ipg_grads"](*args, **kwargs)
+
+
+def run_before_reduction(optimizer, fn) -> bool:
+    """Call ``fn()`` after each pack, right before the bucket's collective; False if not installed.
+
+    The engine's rank-agreement wait goes here, so that the rank-local pass before it (DeepSpeed's
+    per-parameter loop and the pack) hides its latency (see rank_agreement.py).
+    """
+    state = getattr(optimizer, _ATTR, None)
+    if state is None:
+        return False
+    state["before_reduction"] = fn
+    return True
 
 
 def applies(optimizer) -> bool:
@@ -130,6 +146,7 @@ def install(optimizer) -> bool:
         "reduce_ipg_grads": optimizer.reduce_ipg_grads,
         "record_stream": optimizer.overlap_comm and not get_accelerator().resolves_data_dependency(),
         "is_moe": is_moe_param,
+        "before_reduction": None,
     }
     optimizer.reduce_independent_p_g_buckets_and_remove_grads = types.MethodType(reserve, optimizer)
     optimizer.reduce_ipg_grads = types.MethodType(_reduce_ipg_grads, optimizer)

@@ -156,10 +156,13 @@ def _try_step(engine, seen):
         seen.append(str(e))
 
 
-def ranks_disagree_refused(stage):
+def ranks_disagree_refused(stage, extra_backwards_on_rank0=1, shared_backwards=0):
+    """Rank 0 runs ``extra`` more backward passes than the others (who run ``shared``): every rank
+    refuses the step before any gradient collective, whether it accumulated or not."""
     engine = _engine(stage)
     x, y = _batch(0)
-    if dist.get_rank() == 0:
+    backwards = shared_backwards + (extra_backwards_on_rank0 if dist.get_rank() == 0 else 0)
+    for _ in range(backwards):
         ((engine(x) - y)**2).mean().backward()
     try:
         engine.step()

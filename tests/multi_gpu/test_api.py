@@ -31,8 +31,9 @@ def _features(stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_ranks_disagree_refused(stage):
-    run_distributed(checks.ranks_disagree_refused, stage)
+@pytest.mark.parametrize("shared", [0, 1], ids=["one-rank-only", "both-accumulated"])
+def test_ranks_disagree_refused(stage, shared):
+    run_distributed(checks.ranks_disagree_refused, stage, 1, shared, timeout_s=60)
 
 
 def test_bad_config_and_pipeline_refused():

@@ -1,0 +1,63 @@
+"""ZeRO-0/1: every rank must have run as many backward passes through an engine as the others.
+
+[Note: the rank-agreement check, off the critical path]
+ZeRO-0/1 reduce gradients at the update, so a backward pass that reached an engine on some ranks
+only is not caught during backward: at ``step()`` a rank that accumulated nothing would take the
+no-gradient path (no collectives) while the others enter the gradient reduction and wait for it
+forever. Every rank therefore compares its backward count with the others' before its first
+gradient collective, and all of them refuse the step together.
+
+The comparison is one all-reduce of two int64. Run synchronously at the top of ``step()`` it is
+one more synchronization point per update, which costs far more than its bytes: 2.3-3.7 ms per
+step on a 2-rank CPU run where the same all-reduce takes 0.28 ms on ranks already in step (a
+ZeRO-1 step of 88 ms went to 92-94 ms). So :meth:`RankAgreement.start` launches it
+asynchronously when ``step()`` begins, and :meth:`RankAgreement.finish` waits for it as late as
+is safe: where the rank has nothing accumulated, at once (it must decide its path together with
+the others); otherwise right before the first gradient collective, after the rank-local work of
+the reduction (DeepSpeed's per-parameter loop and our bucket pack, ``zero2_pack``), which hides
+the wait. A disagreement raises on every rank before any gradient collective, as before.
+"""
+from __future__ import annotations
+
+import deepspeed.comm as dist
+import torch
+
+
+class RankAgreement:
+    """One engine's pending comparison of per-window backward counts across ranks."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._work = None
+        self._counts = None
+        self._mine = 0
+
+    def start(self, backwards: int) -> None:
+        """Launch the comparison of ``backwards`` (this rank's count for the window) across ranks."""
+        self._mine = backwards
+        self._counts = torch.tensor([backwards, -backwards], dtype=torch.int64, device=self._engine.device)
+        self._work = dist.all_reduce(self._counts, op=dist.ReduceOp.MAX, async_op=True)
+
+    @property
+    def pending(self) -> bool:
+        return self._work is not None
+
+    def finish(self) -> None:
+        """Wait for the comparison started by :meth:`start` (no-op if none); raise if ranks disagree."""
+        work, self._work = self._work, None
+        if work is None:
+            return
+        work.wait()
+        high, low = self._counts[0].item(), -self._counts[1].item()
+        if high != low:
+            raise RuntimeError(
+                f"MultiEngine ({self._engine._engine_name()}): ranks disagree on how many backward passes reached "
+                f"this engine since its last update (between {low} and {high}; this rank: {self._mine}). Every "
+                "rank must use the engine's outputs in the loss it backpropagates (multiply by 0 to keep an "
+                "output in the graph on ranks that do not need it).")
+
+    def discard(self) -> None:
+        """Forget a pending comparison (the step raised): wait for it so that no collective is left open."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
