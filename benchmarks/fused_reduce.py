@@ -10,11 +10,14 @@ bucket round trip, without the collective itself:
 * fused:     the C++ extension's pack + unpack_accumulate (flags included);
 * copy:      ``dst.copy_(src)`` moving the same number of bytes (the memory-bandwidth limit).
 
+Then ZeRO-3's reduce-scatter input: DeepSpeed's per-tensor slicing, interleaved ``cat`` and
+``div_`` against one ``pack_partitions`` call building the same buffer.
+
 Bytes counted = read + written by the ideal fused round trip: grads read, bucket written, bucket
 read, fp32 partitions read and written. Reports the median of several repetitions after
 warm-up, prints a table, writes benchmarks/results/fused_reduce.json (+ .png if matplotlib is
-installed) and ends with ``RESULT fused_vs_unfused=<x> fused_vs_copy=<y>`` for the largest
-bucket with at least 1000 tensors.
+installed) and ends with ``RESULT fused_vs_unfused=<x> fused_vs_copy=<y> scatter_input_vs_deepspeed=<z>``
+for the largest bucket with at least 1000 tensors (and the 1000-tensor scatter input).
 
 Usage: python benchmarks/fused_reduce.py [--quick] [--dtype bf16|fp16|fp32] [--world-size 8]
 """
@@ -144,6 +147,40 @@ def plot(rows, path):
     print(f"wrote {path}")
 
 
+def deepspeed_scatter_input(grads, world_size):
+    """What DeepSpeed's reduce_scatter_coalesced does before its collective (ZeRO-3): slice each
+    gradient into world_size chunks, interleave them rank by rank with padding, cat, pre-divide."""
+    chunks = [-(-g.numel() // world_size) for g in grads]
+    parts = []
+    for r in range(world_size):
+        for g, c in zip(grads, chunks):
+            chunk = g.view(-1)[r * c:r * c + c]
+            parts.append(chunk)
+            if chunk.numel() < c:
+                parts.append(torch.empty(c - chunk.numel(), dtype=g.dtype))
+    return torch.cat(parts).div_(world_size)
+
+
+def bench_scatter_input(ext, dtype, world_size, quick):
+    """pack_partitions (one call) vs DeepSpeed's sequence, both producing the same buffer."""
+    rows = []
+    for n_tensors, nbytes in [(400, 1 * MB), (1000, 16 * MB)] + ([] if quick else [(4000, 64 * MB)]):
+        grads, _, _ = make_bucket(n_tensors, nbytes, dtype)
+        total = world_size * sum(-(-g.numel() // world_size) for g in grads)
+        out = torch.zeros(total, dtype=dtype)
+        fused = median_time(lambda: ext.pack_partitions(grads, out, world_size, 1.0 / world_size), 15)
+        base = median_time(lambda: deepspeed_scatter_input(grads, world_size), 15)
+        rows.append({"tensors": n_tensors, "bucket_mb": nbytes / MB, "deepspeed_ms": base * 1e3,
+                     "fused_ms": fused * 1e3, "speedup": base / fused})
+    print(f"\nZeRO-3 reduce-scatter input ({world_size} ranks, {dtype}): DeepSpeed's slice + cat + div vs "
+          "pack_partitions")
+    print("| tensors | bucket MB | DeepSpeed ms | pack_partitions ms | speedup |\n|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tensors']} | {r['bucket_mb']:.0f} | {r['deepspeed_ms']:.3f} | {r['fused_ms']:.3f} | "
+              f"{r['speedup']:.2f} |")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description="fused gradient-bucket ops microbenchmark")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller buckets and repetitions")
@@ -163,12 +200,15 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
             "world_size": args.world_size, "quick": args.quick}
-    (RESULTS / "fused_reduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    scatter = bench_scatter_input(ext, dtype, args.world_size, args.quick)
+    (RESULTS / "fused_reduce.json").write_text(json.dumps({"meta": meta, "rows": rows, "scatter_input": scatter},
+                                                          indent=1) + "\n")
     print(f"wrote {RESULTS / 'fused_reduce.json'}")
     plot(rows, RESULTS / "fused_reduce.png")
     many = [r for r in rows if r["tensors"] >= 1000 and r["method"] == "fused"]
     key = max(many, key=lambda r: (r["bucket_mb"], r["tensors"]))
-    print(f"RESULT fused_vs_unfused={key['speedup_vs_unfused']:.2f} fused_vs_copy={key['fraction_of_copy']:.2f}")
+    print(f"RESULT fused_vs_unfused={key['speedup_vs_unfused']:.2f} fused_vs_copy={key['fraction_of_copy']:.2f} "
+          f"scatter_input_vs_deepspeed={scatter[1]['speedup']:.2f}")
 
 
 if __name__ == "__main__":

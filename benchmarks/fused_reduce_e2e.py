@@ -116,7 +116,7 @@ def main():
     ap.add_argument("--bucket", type=int, default=int(5e8), help="reduce/allgather/prefetch bucket size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
 
     from deepspeed_multi._launch import run_ranks
