@@ -10,7 +10,8 @@ What a program draws
 - engines: ZeRO stage 0-3, gradient_accumulation_steps 1-3, trained or frozen (built without an
   optimizer, parameters not requiring grad), output structure (tensor, tuple, dict, dataclass,
   ModelOutput), tied weights (the head inside forward shares the weight of ``emb``, a submodule
-  the program may call outside ``engine(...)``);
+  the program may call outside ``engine(...)``), reduce/gather bucket size (64 elements, or 4096
+  so that the fused bucket passes run);
 - loss terms: expressions over the micro-batch input built from engine calls (chains, E(E(x)),
   diamonds where one tensor feeds two consumers, shared inputs), calls of ``emb`` outside
   ``engine(...)``, ``no_grad`` and ``detach`` branches, the auxiliary output of an engine; each
@@ -123,6 +124,12 @@ def draw(seed: int, profile: str = "fp32") -> dict:
                   when=rng.choices(["all", "even", "odd"], [4, 1, 1])[0]) for _ in range(rng.randint(1, 3))]
     plan = rng.choices(["one", "two", "retain", "input-grad"], [4, 2, 2, 2])[0]
     zero_grad = [i for i in range(n) if engines[i]["trains"] and rng.random() < 0.12]
+    # Bucket sizes come from their own stream, so the draws above (and every recorded seed's
+    # program) stay as they were: 64 elements (one parameter per bucket, DeepSpeed's own
+    # per-parameter paths) or 4096 (every bucket holds several, so the fused passes run).
+    buckets = random.Random(f"buckets-{seed}")
+    for e in engines:
+        e["bucket"] = buckets.choice([64, 4096])
     return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad)
 
 
@@ -143,7 +150,8 @@ def _draw_expr(rng, n, depth):
 
 def describe(spec) -> str:
     engines = ", ".join(f"e{i}: ZeRO-{e['stage']} gas {e['gas']} {'trained' if e['trains'] else 'frozen'} "
-                        f"{e['out']}{' tied' if e['tied'] else ''}" for i, e in enumerate(spec["engines"]))
+                        f"{e['out']}{' tied' if e['tied'] else ''} bucket {e.get('bucket', 64)}"
+                        for i, e in enumerate(spec["engines"]))
     terms = "; ".join(f"{t['loss']}({_expr_str(t['expr'])}) on {t['when']} steps" for t in spec["terms"])
     return (f"seed {spec['seed']} ({spec['profile']}): engines [{engines}]; loss = {terms}; "
             f"plan {spec['plan']}; zero_grad {['e%d' % i for i in spec['zero_grad']]}")
@@ -212,7 +220,10 @@ def build(spec) -> Scenario:
     members = {}
     for i, e in enumerate(spec["engines"]):
         build_fn = functools.partial(FuzzNet, seed=1000 * spec["seed"] + i, out=e["out"], tied=e["tied"])
-        members[f"e{i}"] = Member(build_fn, ds_config(e["stage"], dtype, e["gas"]), trainable=e["trains"])
+        bucket = e.get("bucket", 64)
+        cfg = ds_config(e["stage"], dtype, e["gas"], zero_optimization=dict(
+            reduce_bucket_size=bucket, allgather_bucket_size=bucket, stage3_prefetch_bucket_size=bucket))
+        members[f"e{i}"] = Member(build_fn, cfg, trainable=e["trains"])
     terms = spec["terms"]
     trained = [f"e{i}" for i, e in enumerate(spec["engines"]) if e["trains"]]
     end = tuple(("zero_grad", f"e{i}") for i in spec["zero_grad"]) + tuple(("step", name) for name in trained)

@@ -20,7 +20,7 @@ from harness import run_distributed
 
 NAMES = [
     "single-z1", "single-z1-bf16", "single-z1-gas2", "chain-z1z3-gas22", "single-z2", "single-z2-bf16", "single-z2-fp16", "single-z2-gas2", "single-z3", "single-z3-bf16",
-    "single-z3-gas2", "chain-z2z3-gas22", "chain-z3z3-gas31", "chain-z2z3-bf16", "two-backward-z2-gas2",
+    "single-z3-gas2", "single-z3-fp16", "chain-z2z3-gas22", "chain-z3z3-gas31", "chain-z2z3-bf16", "two-backward-z2-gas2",
     "two-backward-z3", "zero-grad-discards-z3"
 ]
 BUCKET = 4096
