@@ -90,14 +90,14 @@ class MultiEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         self._recover_from_failed_backward()
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
-        zero3 = self.zero_optimization_stage() == 3 and torch.is_grad_enabled()
-        before = zero3_counters.snapshot(self.module) if zero3 else None
+        stage3 = self.zero_optimization_stage() == 3
+        before = zero3_counters.snapshot(self.module) if stage3 and torch.is_grad_enabled() else None
         self._region.enter_forward()
         try:
             outputs = super().forward(*inputs, **kwargs)
         finally:
             self._region.exit_forward()
-        if self.zero_optimization_stage() == 3 and not any(t.requires_grad for t in tree_tensors(outputs)):
+        if stage3 and not any(t.requires_grad for t in tree_tensors(outputs)):
             self._drain_zero3_prefetch()  # no backward can follow this forward
         return self._wrap_forward_outputs(self.module, outputs, before)
 

@@ -38,12 +38,12 @@ import torch
 from torch import Tensor
 
 from . import ops, zero2_pack, zero3_scatter
+from .ops.reference import SUPPORTED as _SUPPORTED_DTYPES  # what the fused ops take
 
 logger = logging.getLogger(__name__)
 
 ENV = "DSM_FUSED_ZERO"
 _INSTALLED_ATTR = "_dsm_fused_zero"
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _Z3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 _logged: set = set()

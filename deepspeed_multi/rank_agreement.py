@@ -38,10 +38,6 @@ class RankAgreement:
         self._counts = torch.tensor([backwards, -backwards], dtype=torch.int64, device=self._engine.device)
         self._work = dist.all_reduce(self._counts, op=dist.ReduceOp.MAX, async_op=True)
 
-    @property
-    def pending(self) -> bool:
-        return self._work is not None
-
     def finish(self) -> None:
         """Wait for the comparison started by :meth:`start` (no-op if none); raise if ranks disagree."""
         work, self._work = self._work, None

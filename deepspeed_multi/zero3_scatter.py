@@ -27,10 +27,10 @@ import types
 import torch
 
 from . import ops
+from .ops.reference import SUPPORTED as _SUPPORTED_DTYPES
 
 _ATTR = "_dsm_zero3_scatter"
 _METHOD = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _plain_path(self, params, grads, communication_data_type) -> bool:
@@ -70,11 +70,12 @@ def avg_scatter_grads(self, params_to_reduce, communication_data_type):
     dist.reduce_scatter_fn(mine, flat, group=group, async_op=False)
 
     outputs = list(mine.split(chunks))
+    converted = communication_data_type != self.gradient_accumulation_dtype
     if parts != chunks:  # this rank holds the short tail of some gradients
         outputs = [o.narrow(0, 0, n) if n != c else o for o, n, c in zip(outputs, parts, chunks)]
-    else:
+    elif not converted:
         self._dsm_zero3_scatter["one_run"] = outputs  # consecutive views of one buffer (fused_zero)
-    if communication_data_type != self.gradient_accumulation_dtype:
+    if converted:
         outputs = [g.to(self.gradient_accumulation_dtype) for g in outputs]
     return outputs
 
