@@ -12,6 +12,10 @@ SECTIONS = [
     ("overhead", "Overhead on the single-engine path",
      "One engine, the same model: upstream `deepspeed.initialize` + `engine.backward(loss)` versus "
      "`deepspeed_multi.initialize` + `loss.backward()`, interleaved step by step in the same ranks."),
+    ("zero3_grad_view", "ZeRO-3's update: the gradient buffer as a view, not a flattened copy",
+     "One ZeRO-3 model, three variants interleaved: deepspeed_multi as shipped (the optimizer's fp32 gradient is "
+     "a view of DeepSpeed's gradient partition buffer), deepspeed_multi with `DSM_ZERO3_GRAD_VIEW=0` (DeepSpeed's "
+     "flattened copy), and upstream. Ratios are view / that variant, paired per step."),
     ("two_engines", "Two engines under one loss vs the super-module workaround",
      "Encoder (ZeRO-2) -> LLM (ZeRO-3) as two `deepspeed_multi` engines and one `loss.backward()`, versus both "
      "wrapped in one `nn.Module` in one upstream ZeRO-3 engine."),
