@@ -98,8 +98,8 @@ class MultiEngine(DeepSpeedEngine):
             outputs = super().forward(*inputs, **kwargs)
         finally:
             self._region.exit_forward()
-        if stage3 and not any(t.requires_grad for t in tree_tensors(outputs)):
-            self._drain_zero3_prefetch()  # no backward can follow this forward
+        if stage3 and (not self.trains or not any(t.requires_grad for t in tree_tensors(outputs))):
+            self._drain_zero3_prefetch()  # no step() will drain it, or no backward can follow
         return self._wrap_forward_outputs(self.module, outputs, before)
 
     def _wrap_forward_outputs(self, module, outputs, zero3_before):
@@ -358,9 +358,10 @@ class MultiEngine(DeepSpeedEngine):
         loop leaves its prefetch in flight, and the next partition (the update, GatheredParameters,
         a checkpoint) fails with "Cannot partition a param in flight"; upstream does the same.
         Drained where no compute of this engine runs and none is prefetched for: step(),
-        zero_grad(), the end of a forward no backward can follow (no output requires grad), and
-        the end of a backward through a frozen engine. A frozen engine whose outputs require grad
-        but are never backpropagated keeps upstream's behaviour until its next forward.
+        zero_grad(), the end of a forward no backward can follow (no output requires grad), the
+        end of every forward of a frozen engine (it has no step(); fuzz seed 70408: a frozen
+        engine's output used detached, then GatheredParameters), and the end of a backward
+        through a frozen engine. A backward that follows re-gathers what it needs.
         """
         if self.zero_optimization_stage() == 3:
             offload = getattr(self.optimizer, "parameter_offload", self.optimizer)

@@ -453,6 +453,9 @@ SCENARIOS["fuzz-65-z3-frozen-twice-dataclass"] = functools.partial(_fuzz_program
 SCENARIOS["fuzz-385-z3-outside-call-forward-only"] = functools.partial(_fuzz_program, 385)
 SCENARIOS["fuzz-344-z3-frozen-outside-call-retain"] = functools.partial(_fuzz_program, 344)
 SCENARIOS["fuzz-487-z3-frozen-outside-call-no-grad-path"] = functools.partial(_fuzz_program, 487)
+# ... and a frozen ZeRO-3 engine whose output requires grad but is used detached left it too: a
+# frozen engine has no step() to drain it, so it now drains at the end of every forward (70408).
+SCENARIOS["fuzz-70408-z3-frozen-outside-call-detached"] = functools.partial(_fuzz_program, 70408)
 # A stage-0 bf16 engine was compared on its bf16 weights, where small updates round away (320).
 SCENARIOS["fuzz-320-z0-bf16-outside-call"] = functools.partial(_fuzz_program, 320, "bf16")
 for s in range(4):
