@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+from unittest import mock
 
 import _bench as B
 
@@ -32,12 +33,8 @@ def _build(variant, model):
     import deepspeed
     import deepspeed_multi
     init = deepspeed.initialize if variant == "upstream" else deepspeed_multi.initialize
-    old = os.environ.get("DSM_ZERO3_GRAD_VIEW")
-    os.environ["DSM_ZERO3_GRAD_VIEW"] = "0" if variant == "copy" else "1"
-    try:
+    with mock.patch.dict(os.environ, {"DSM_ZERO3_GRAD_VIEW": "0" if variant == "copy" else "1"}):
         return B.build_engine(init, copy.deepcopy(model), B.ds_config(3, micro_bs=MICRO_BS))
-    finally:
-        os.environ.pop("DSM_ZERO3_GRAD_VIEW") if old is None else os.environ.__setitem__("DSM_ZERO3_GRAD_VIEW", old)
 
 
 def _step_fn(variant, engine):
@@ -71,12 +68,11 @@ def _equal_weights(a, b) -> bool:
 
 
 def timing(warmup, steps):
-    import torch
     model = B.Tower(D, D, LAYERS, D, seed=2)
     engines = {v: _build(v, model) for v in VARIANTS}
     t = B.interleave({v: _step_fn(v, e) for v, e in engines.items()}, warmup, steps)
     same = _equal_weights(engines["view"], engines["copy"])
-    return {"times": t, "bit_identical": same, "params": B.n_params(model), "threads": torch.get_num_threads()}
+    return {"times": t, "bit_identical": same, "params": B.n_params(model)}
 
 
 def memory(variant, steps):

@@ -200,7 +200,7 @@ def _z2_allreduce_and_copy_with_multiple_ranks(self,
 
 
 # ---------------------------------------------------------------------------------- install
-def _is_exact_method(optimizer, cls, name) -> bool:
+def is_exact_method(optimizer, cls, name) -> bool:
     """True if ``optimizer`` resolves ``name`` to ``cls``'s own definition (no subclass/instance override)."""
     return name not in vars(optimizer) and getattr(type(optimizer), name, None) is getattr(cls, name, None)
 
@@ -229,7 +229,7 @@ def install(optimizer) -> bool:
 
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         if (getattr(optimizer, "offload_optimizer", True) or getattr(optimizer, "zenflow", False)
-                or not _is_exact_method(optimizer, DeepSpeedZeroOptimizer_Stage3, "partition_grads")
+                or not is_exact_method(optimizer, DeepSpeedZeroOptimizer_Stage3, "partition_grads")
                 or not hasattr(optimizer, _Z3_GRAD_PARTITIONS)):
             return False
         optimizer._dsm_fused_zero = {}
@@ -248,8 +248,8 @@ def install(optimizer) -> bool:
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         if (getattr(optimizer, "cpu_offload", True)
                 or getattr(optimizer, "zenflow", False)
-                or not _is_exact_method(optimizer, DeepSpeedZeroOptimizer, "allreduce_and_copy_with_multiple_ranks")
-                or not _is_exact_method(optimizer, DeepSpeedZeroOptimizer, "_add_to_grad_partition_buffer")):
+                or not is_exact_method(optimizer, DeepSpeedZeroOptimizer, "allreduce_and_copy_with_multiple_ranks")
+                or not is_exact_method(optimizer, DeepSpeedZeroOptimizer, "_add_to_grad_partition_buffer")):
             return False
         optimizer._dsm_fused_zero = {}
         _bind(optimizer, "allreduce_and_copy_with_multiple_ranks", _z2_allreduce_and_copy_with_multiple_ranks)

@@ -88,8 +88,10 @@ def is_one_run(optimizer, grad_partitions) -> bool:
 
 def applies(optimizer) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and _METHOD not in vars(optimizer)
-            and getattr(type(optimizer), _METHOD, None) is getattr(DeepSpeedZeroOptimizer_Stage3, _METHOD, None)
+
+    from .fused_zero import is_exact_method  # not at the top: fused_zero imports this module
+    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
+            and is_exact_method(optimizer, DeepSpeedZeroOptimizer_Stage3, _METHOD)
             and hasattr(optimizer, "all2all_process_group") and hasattr(optimizer, "_autoep_expert_parallel_group"))
 
 

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .fused_zero import consecutive_runs, flat_run
+from .fused_zero import consecutive_runs, flat_run, is_exact_method
 
 ENV = "DSM_ZERO3_GRAD_VIEW"
 _ATTR = "_dsm_zero3_step"
@@ -71,8 +71,7 @@ def install(optimizer) -> bool:
     if os.environ.get(ENV, "1").strip() == "0" or getattr(optimizer, _ATTR, None) is not None:
         return False
     if (not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) or getattr(optimizer, "offload_optimizer", True)
-            or _METHOD in vars(optimizer)
-            or getattr(type(optimizer), _METHOD, None) is not getattr(DeepSpeedZeroOptimizer_Stage3, _METHOD, None)
+            or not is_exact_method(optimizer, DeepSpeedZeroOptimizer_Stage3, _METHOD)
             or not hasattr(optimizer, "fp32_partitioned_groups_flat")):
         return False
     optimizer._dsm_zero3_step = {"original": getattr(optimizer, _METHOD)}

@@ -11,6 +11,7 @@ converting copy, and the last config checks that it keeps it.
 """
 import copy
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -46,16 +47,9 @@ def _model(frozen):
 
 
 def _engine(model, cfg, view):
-    old = os.environ.get("DSM_ZERO3_GRAD_VIEW")
-    os.environ["DSM_ZERO3_GRAD_VIEW"] = "1" if view else "0"
-    try:
+    with mock.patch.dict(os.environ, {"DSM_ZERO3_GRAD_VIEW": "1" if view else "0"}):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02)
         engine, *_ = deepspeed_multi.initialize(model=model, optimizer=opt, config=copy.deepcopy(cfg))
-    finally:
-        if old is None:
-            del os.environ["DSM_ZERO3_GRAD_VIEW"]
-        else:
-            os.environ["DSM_ZERO3_GRAD_VIEW"] = old
     assert hasattr(engine.optimizer, "_dsm_zero3_step") == view
     return engine
 
