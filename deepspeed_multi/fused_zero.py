@@ -91,6 +91,16 @@ def flat_run(tensors: Sequence[Tensor]) -> Tensor:
     return first.as_strided((total, ), (1, ), first.storage_offset())
 
 
+def run_view(tensors: Sequence[Tensor], numel: int) -> Optional[Tensor]:
+    """A 1-D view covering ``tensors`` if they are one run (:func:`consecutive_runs`) of ``numel``
+    elements in all, else ``None``: what a flatten of them would hold, without the copy."""
+    filled = [t for t in tensors if t.numel() > 0]  # an empty tensor adds nothing to a flatten either
+    if not filled or consecutive_runs(filled) != [(0, len(filled))]:
+        return None
+    view = flat_run(filled)
+    return view if view.numel() == numel else None
+
+
 # ------------------------------------------------------------------------------------ ZeRO-3
 def _z3_partition_grads(self, params_to_release, grad_partitions):
     """Fused replacement of DeepSpeedZeroOptimizer_Stage3.partition_grads (see module doc)."""

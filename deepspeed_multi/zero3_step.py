@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .fused_zero import consecutive_runs, flat_run, is_exact_method
+from .fused_zero import is_exact_method, run_view
 
 ENV = "DSM_ZERO3_GRAD_VIEW"
 _ATTR = "_dsm_zero3_step"
@@ -45,11 +45,7 @@ def one_view(grads, master: torch.Tensor) -> Optional[torch.Tensor]:
     dtype and device, with ``master.numel()`` elements in all; else ``None``."""
     if not grads or any(g.dtype != master.dtype or g.device != master.device for g in grads):
         return None
-    filled = [g for g in grads if g.numel() > 0]  # an empty tensor adds nothing to the copy either
-    if not filled or consecutive_runs(filled) != [(0, len(filled))]:
-        return None
-    view = flat_run(filled)
-    return view if view.numel() == master.numel() else None
+    return run_view(grads, master.numel())
 
 
 def prepare_fp32_grad(self, sub_group_id):

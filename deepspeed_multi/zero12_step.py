@@ -1,0 +1,117 @@
+"""ZeRO-1/2: the update reads this rank's gradient partition in place, not from a flattened copy.
+
+[Note: ZeRO-1/2's gradient for the update]
+At every update ``DeepSpeedZeroOptimizer.step`` flattens this rank's partition of the reduced
+gradients (``averaged_gradients[i]``, the list of views ``get_flat_partition`` returns) into a
+new tensor, unless ``_get_preflattened_grad_partition`` hands it one already flat (DeepSpeed's
+hook for DeepCompile). With ``contiguous_gradients`` those gradients already live in one buffer,
+``grads_in_partition``: ``copy_grads_in_partition`` copies each reduced gradient of a parameter
+in this rank's partition there. It copies at a running offset, in reduction order (the reverse
+of the parameters' order in ZeRO-2's backward), so the list is not one run and the flatten is a
+real copy: a partition-sized allocation per update (on CPU, page-faulted in whenever glibc has
+returned the memory) and one pass over it.
+
+Two per-instance replacements make the list one run and let the update take a view:
+
+* :func:`copy_in_partition_order` (``copy_grads_in_partition``): each gradient goes to a fixed
+  slot, the parameter's place in ``params_in_partition`` order (the order in which DeepSpeed sizes
+  the buffer), instead of the next free offset. The same copy into the same buffer, only at a
+  place that does not depend on when the reduction ran; nothing else reads the offset.
+* :func:`preflattened_partition` (``_get_preflattened_grad_partition``): DeepSpeed's answer if it
+  has one; else, if ``averaged_gradients[i]`` is one run of ``partition_size`` elements, a 1-D
+  view of it; else ``None``, and DeepSpeed flattens as before.
+
+The flatten stays where the list is not one run: the zero padding DeepSpeed appends on the rank
+whose partition runs past the end of the group, a parameter without a gradient (a
+``zeros_like``), more than one parameter group in a partition's buffer... Not installed with CPU
+offload (its own fp32 gradient buffer) or where DeepSpeed's methods are overridden; the fp32
+accumulation buffer of 16-bit weights (``_use_compact_grad_partition_buffer``) is already flat
+and DeepSpeed hands it over itself.
+
+The optimizer sees the same values, so the update is bit-identical (asserted against the flatten
+and against plain PyTorch in tests/multi_gpu/test_zero12_step.py). What changes is that the
+update's in-place unscale and clip (``unscale_and_clip_grads``) lands in ``grads_in_partition``
+rather than in the copy. DeepSpeed has already cleared every ``param.grad`` pointing there
+(``free_grad_in_param_list``, right before), and the next backward allocates a new buffer, so no
+reader can tell.
+
+``DSM_ZERO12_GRAD_VIEW=0`` keeps DeepSpeed's flatten (for A/B benchmarks).
+"""
+from __future__ import annotations
+
+import os
+import types
+from typing import Dict, Tuple
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from .fused_zero import is_exact_method, run_view
+
+ENV = "DSM_ZERO12_GRAD_VIEW"
+_ATTR = "_dsm_zero12_step"
+_COPY = "copy_grads_in_partition"
+_PREFLATTENED = "_get_preflattened_grad_partition"
+
+
+def partition_slots(optimizer) -> Tuple[Dict[int, int], int]:
+    """Each partition parameter's offset in ``grads_in_partition``, in ``params_in_partition``
+    order (the order in which ``copy_grads_in_partition`` sums the buffer's size), and that size."""
+    slots, offset = {}, 0
+    for group in optimizer.params_in_partition:
+        for param in group:
+            slots[optimizer.get_param_id(param)] = offset
+            offset += param.numel()
+    return slots, offset
+
+
+def copy_in_partition_order(self, param, group_idx=None):
+    """Replacement for ``copy_grads_in_partition`` (bound to a ZeRO-1/2 optimizer)."""
+    state = self._dsm_zero12_step
+    slot = state["slots"].get(self.get_param_id(param))
+    if group_idx is None:
+        group_idx = self._get_param_group_idx(param)
+    if slot is None or self.cpu_offload or self._use_compact_grad_partition_buffer(group_idx):
+        return state["copy"](param, group_idx)  # paths that do not use grads_in_partition
+    if self.grads_in_partition is None:  # sized as DeepSpeed sizes it
+        self.grads_in_partition = torch.empty(state["numel"], dtype=self.dtype,
+                                              device=get_accelerator().current_device_name())
+    self.grads_in_partition_offset = slot
+    state["copy"](param, group_idx)
+
+
+def preflattened_partition(self, group_idx):
+    """Replacement for ``_get_preflattened_grad_partition`` (bound to a ZeRO-1/2 optimizer)."""
+    flat = self._dsm_zero12_step["preflattened"](group_idx)
+    if flat is not None:
+        return flat
+    grads = self.averaged_gradients.get(group_idx)
+    if grads is None:
+        return None
+    view = run_view(grads, int(self.partition_size[group_idx]))
+    if view is not None:
+        accelerator = get_accelerator()
+        if not accelerator.is_synchronized_device() and accelerator.on_accelerator(view):
+            view.record_stream(accelerator.current_stream())
+    return view
+
+
+def install(optimizer) -> bool:
+    """Give ``optimizer``'s update a view of its gradient partition; return whether it did."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if os.environ.get(ENV, "1").strip() == "0" or getattr(optimizer, _ATTR, None) is not None:
+        return False
+    if (not isinstance(optimizer, DeepSpeedZeroOptimizer) or getattr(optimizer, "cpu_offload", True)
+            or not getattr(optimizer, "contiguous_gradients", False)
+            or not all(is_exact_method(optimizer, DeepSpeedZeroOptimizer, m) for m in (_COPY, _PREFLATTENED))):
+        return False
+    slots, numel = partition_slots(optimizer)
+    optimizer._dsm_zero12_step = {
+        "slots": slots,
+        "numel": int(numel),
+        "copy": getattr(optimizer, _COPY),
+        "preflattened": getattr(optimizer, _PREFLATTENED),
+    }
+    setattr(optimizer, _COPY, types.MethodType(copy_in_partition_order, optimizer))
+    setattr(optimizer, _PREFLATTENED, types.MethodType(preflattened_partition, optimizer))
+    return True
