@@ -259,3 +259,30 @@ def test_pack_partitions_refusals(ext, impl_name):
         impl.pack_partitions([torch.randn(5)], torch.empty(8), 0, 1.0)
     with pytest.raises(ValueError, match=r"tensors\[1\].*int64"):
         impl.pack_partitions([torch.randn(2), torch.ones(2, dtype=torch.int64)], torch.empty(8), 2, 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 15, 16, 17, 31, 33, 32767, 32768, 32769, 65553]), min_size=1, max_size=5),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       bad=st.sampled_from([None, float("inf"), float("-inf"), float("nan"), "payload"]),
+       data=st.data())
+def test_pack_at_scale_one_copies_16_bit_values_bit_for_bit(ext, sizes, dtype, bad, data):
+    """The copy fast path (same 16-bit dtype, scale 1): the bits copy_ would write, NaN payloads
+    included, the flag from the exponent bits, across the AVX2 lane and thread-chunk edges."""
+    gen = torch.Generator().manual_seed(sum(sizes))
+    tensors = [randn(n, dtype, gen=gen) for n in sizes]
+    filled = [t for t in tensors if t.numel()]
+    if bad is not None and filled:
+        target = data.draw(st.sampled_from(filled))
+        index = data.draw(st.integers(0, target.numel() - 1))
+        if bad == "payload":  # a NaN that is not the canonical one: the cast path would rewrite it
+            target.view(torch.int16)[index] = 0x7f81 if dtype == torch.bfloat16 else 0x7c01
+        else:
+            target[index] = bad
+    total = sum(sizes)
+    out = torch.full((total + 3, ), 7.0, dtype=dtype)
+    flag = ext.pack(tensors, out, 1.0)
+    want = torch.cat([t.reshape(-1) for t in tensors]) if total else torch.zeros(0, dtype=dtype)
+    assert torch.equal(out[:total].view(torch.int16), want.view(torch.int16))
+    assert (out[total:] == 7.0).all()
+    assert flag.item() == float(bool(filled) and not torch.isfinite(want).all().item())
