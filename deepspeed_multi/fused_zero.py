@@ -16,12 +16,15 @@ ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3.partition_grads``)
 
     The pass before the reduce-scatter (the interleaved cat and divide) is ``zero3_scatter.py``.
 
-ZeRO-2 (``DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks``, partition_gradients)
-    The pass hit in unmanaged accumulation with ``reduce_scatter`` on (the default): the reduced
-    flat bucket is copied back slice by slice into the IPG bucket (``buf.copy_(synced)``) and,
-    with an fp32 accumulation buffer for 16-bit weights, added into the compact fp32 partition
-    (``_add_to_grad_partition_buffer``). Each run of consecutive local slices becomes one
-    ``unpack_accumulate`` call for the copies and one for the adds. Applies without CPU offload
+ZeRO-1/2 (``DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks``)
+    The pass hit in unmanaged accumulation with ``reduce_scatter`` on (the default): DeepSpeed
+    all-reduces a flattened copy of the bucket's slices, copies the reduced values back slice by
+    slice into the IPG bucket (``buf.copy_(synced)``) and, with an fp32 accumulation buffer for
+    16-bit weights, adds them into the compact fp32 partition (``_add_to_grad_partition_buffer``).
+    Where the slices are one run of the communication dtype, the bucket is all-reduced in place
+    (see [Note: the ZeRO-1/2 bucket reduced where it lies]) and the copy-back disappears;
+    otherwise each run of consecutive local slices becomes one ``unpack_accumulate`` call for the
+    copies. The adds are one ``unpack_accumulate`` per run either way. Applies without CPU offload
     and ZenFlow.
 
 ``DSM_FUSED_ZERO=0`` in the environment disables installation (a test/diagnostic switch; the
@@ -147,7 +150,32 @@ def _z3_partition_grads(self, params_to_release, grad_partitions):
     return buffers
 
 
-# ------------------------------------------------------------------------------------ ZeRO-2
+# ---------------------------------------------------------------------------------- ZeRO-1/2
+def _bucket_as_run(self, small_bucket, communication_data_type) -> Optional[Tensor]:
+    """The small bucket as one 1-D view if DeepSpeed's ``allreduce_bucket`` would reduce a plain
+    flatten of it (no dtype conversion) and its slices lie one after another; else ``None``.
+
+    [Note: the ZeRO-1/2 bucket reduced where it lies]
+    ``allreduce_bucket`` flattens the slices into a new tensor, all-reduces that and the caller
+    copies this rank's slices back: a bucket-sized allocation and two passes over it per bucket.
+    The slices are narrow views of the IPG bucket in order (``average_tensor`` merges each rank's
+    range), so the flatten holds exactly the run, and the same all-reduce of the same values in
+    the same layout gives the same bits in place; the copy-back is then a no-op. What changes is
+    that the other ranks' slices of this rank's bucket hold the reduced values too, where
+    DeepSpeed leaves them unreduced: at ZeRO-2 nothing reads them (their gradients are cleared
+    right after); at ZeRO-1 the gradients of parameters outside this rank's partition point there
+    until the update frees them, and only fp16's overflow check reads them, whose decision is the
+    same (a non-finite local value makes the reduced value non-finite, and the flag is all-reduced
+    across ranks either way).
+    """
+    from deepspeed.runtime.zero import stage_1_and_2
+    if stage_1_and_2.pg_correctness_test or self.sequence_parallel_size > 1:
+        return None  # allreduce_bucket converts to fp32 there
+    if any(t.dtype != communication_data_type for t in small_bucket):
+        return None
+    return run_view(small_bucket, sum(t.numel() for t in small_bucket))
+
+
 def _z2_allreduce_and_copy_with_multiple_ranks(self,
                                                small_bucket,
                                                communication_data_type,
@@ -178,12 +206,19 @@ def _z2_allreduce_and_copy_with_multiple_ranks(self,
     if communication_data_type not in _SUPPORTED_DTYPES:
         return original(*args, **kwargs)
 
-    allreduced = self.allreduce_bucket(small_bucket, communication_data_type, log=log, divide=divide,
-                                       process_group=pg)
     record = self.overlap_comm and not get_accelerator().resolves_data_dependency()
-    if record:
-        allreduced.record_stream(self.reduction_stream)
-    flat = allreduced.view(-1)
+    flat = _bucket_as_run(self, small_bucket, communication_data_type)
+    in_place = flat is not None
+    if in_place:  # see [Note: the ZeRO-1/2 bucket reduced where it lies]
+        if divide and self.gradient_average:
+            flat.div_(dist.get_world_size(group=pg) / float(self.sequence_parallel_size))
+        dist.all_reduce(flat, group=pg)
+    else:
+        allreduced = self.allreduce_bucket(small_bucket, communication_data_type, log=log, divide=divide,
+                                           process_group=pg)
+        if record:
+            allreduced.record_stream(self.reduction_stream)
+        flat = allreduced.view(-1)
     offsets = [0]
     for buf in small_bucket:
         offsets.append(offsets[-1] + buf.numel())
@@ -201,7 +236,7 @@ def _z2_allreduce_and_copy_with_multiple_ranks(self,
     with_output = [m and o is not None for m, o in zip(local, outputs)]
     for start, stop in runs_of(with_output):
         ops.unpack_accumulate(flat[offsets[start]:offsets[stop]], outputs[start:stop], 1.0, True)
-    for start, stop in runs_of(local):
+    for start, stop in ([] if in_place else runs_of(local)):
         ops.unpack_accumulate(flat[offsets[start]:offsets[stop]], small_bucket[start:stop], 1.0, False)
     if record:
         for buf, mine in zip(small_bucket, local):
@@ -223,9 +258,9 @@ def _bind(optimizer, name, replacement) -> None:
 def install(optimizer) -> bool:
     """Route ``optimizer``'s bucket passes through the fused ops; return whether anything changed.
 
-    Supported: ZeRO-3 without optimizer offload (``partition_grads``, ``zero3_scatter``), ZeRO-2
-    (``partition_gradients``) without CPU offload (``allreduce_and_copy_with_multiple_ranks``,
-    ``zero2_pack``), neither with ZenFlow, and ZeRO-1 where ``zero2_pack`` applies. Anything else
+    Supported: ZeRO-3 without optimizer offload (``partition_grads``, ``zero3_scatter``), ZeRO-1/2
+    without CPU offload (``allreduce_and_copy_with_multiple_ranks``, ``zero2_pack``), neither with
+    ZenFlow. Anything else
     (offload, a subclass that overrides the method, an optimizer
     already installed, ``DSM_FUSED_ZERO=0``) returns False and changes nothing.
     """
@@ -248,13 +283,6 @@ def install(optimizer) -> bool:
         _log_once("z3", "deepspeed_multi fused_zero: ZeRO-3 partition_grads (copy/accumulate of the reduced "
                   "grad partitions) fused, backend %s", ops.active_backend())
         return True
-    if isinstance(optimizer, DeepSpeedZeroOptimizer) and not getattr(optimizer, "partition_gradients", False):
-        # ZeRO-1: DeepSpeed reduces at the update; only the pass before the reduction is fused.
-        if not zero2_pack.install(optimizer):
-            return False
-        optimizer._dsm_fused_zero = {}
-        _log_once("z1", "deepspeed_multi fused_zero: ZeRO-1 bucket pack fused, backend %s", ops.active_backend())
-        return True
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         if (getattr(optimizer, "cpu_offload", True)
                 or getattr(optimizer, "zenflow", False)
@@ -264,8 +292,8 @@ def install(optimizer) -> bool:
         optimizer._dsm_fused_zero = {}
         _bind(optimizer, "allreduce_and_copy_with_multiple_ranks", _z2_allreduce_and_copy_with_multiple_ranks)
         zero2_pack.install(optimizer)  # and the pass before the reduction: one pack per bucket
-        _log_once("z2", "deepspeed_multi fused_zero: ZeRO-2 allreduce_and_copy_with_multiple_ranks (copy-back "
-                  "into the IPG bucket and add into the fp32 grad partition) fused, backend %s",
-                  ops.active_backend())
+        _log_once("z12", "deepspeed_multi fused_zero: ZeRO-1/2 allreduce_and_copy_with_multiple_ranks (the "
+                  "bucket all-reduced in place, or the copy-back fused; the add into the fp32 grad partition "
+                  "fused) and bucket pack, backend %s", ops.active_backend())
         return True
     return False

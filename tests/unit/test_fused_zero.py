@@ -47,6 +47,8 @@ def fake_z2(partition_gradients=True, cpu_offload=False, zenflow=False):
     opt.zenflow = zenflow
     opt.overlap_comm = False
     opt.dp_process_group = None
+    opt.sequence_parallel_size = 1
+    opt.gradient_average = True
     return opt
 
 
@@ -98,8 +100,9 @@ def test_install_z3_binds_partition_grads_only():
     assert fused_zero.install(opt) is False  # idempotent: a second call changes nothing
 
 
-def test_install_z2_binds_allreduce_and_copy_only():
-    opt = fake_z2()
+@pytest.mark.parametrize("partition_gradients", [True, False], ids=["stage2", "stage1"])
+def test_install_z12_binds_allreduce_and_copy_only(partition_gradients):
+    opt = fake_z2(partition_gradients=partition_gradients)
     assert fused_zero.install(opt) is True
     assert opt.allreduce_and_copy_with_multiple_ranks.__func__ is fused_zero._z2_allreduce_and_copy_with_multiple_ranks
     assert "partition_grads" not in vars(opt)
@@ -108,13 +111,12 @@ def test_install_z2_binds_allreduce_and_copy_only():
 @pytest.mark.parametrize("make", [
     lambda: fake_z3(offload=True),
     lambda: fake_z3(zenflow=True),
-    lambda: fake_z2(partition_gradients=False),  # ZeRO stage 1
     lambda: fake_z2(cpu_offload=True),
     lambda: fake_z2(zenflow=True),
     lambda: torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
     lambda: object(),
 ],
-                         ids=["z3-offload", "z3-zenflow", "stage1", "z2-offload", "z2-zenflow", "torch-sgd", "object"])
+                         ids=["z3-offload", "z3-zenflow", "z2-offload", "z2-zenflow", "torch-sgd", "object"])
 def test_install_refuses_unsupported(make):
     opt = make()
     before = dict(vars(opt)) if hasattr(opt, "__dict__") else None
@@ -258,3 +260,55 @@ def test_z2_allreduce_and_copy_matches_original(monkeypatch, with_outputs):
     want = run(lambda opt: types.MethodType(DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks, opt))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_sync_device
+@pytest.mark.parametrize("with_outputs", [False, True])
+def test_z12_bucket_of_one_run_is_reduced_in_place(monkeypatch, with_outputs):
+    """Same dtype, consecutive slices: one all-reduce of the bucket itself, no flatten, no copy-back.
+    This rank's slices and the adds into the fp32 partition equal DeepSpeed's; the other ranks'
+    slices hold the reduced values where DeepSpeed leaves them unreduced (see the Note)."""
+    import deepspeed.comm as dist
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: t.mul_(3))  # stands in for the collective
+    gen = torch.Generator().manual_seed(0)
+    ipg = torch.randn(40, generator=gen)
+    sizes = [5, 3, 8, 4, 6, 2, 12]
+    ranks = [0, 1, 1, 0, 1, frozenset({0, 1}), 1]
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def run(method_of, divide):
+        bucket_buf = ipg.clone()
+        small = [bucket_buf.narrow(0, o, n) for o, n in zip(offs, sizes)]
+        flat_part = torch.randn(80, generator=torch.Generator().manual_seed(1))
+        outputs = [flat_part.narrow(0, 2 * o, n) if i != 2 else None
+                   for i, (o, n) in enumerate(zip(offs, sizes))] if with_outputs else None
+        opt = fake_z2()
+        flattened = []
+
+        def allreduce_bucket(bucket, dt, log=None, divide=True, process_group=None):
+            flat = torch.cat([t.reshape(-1) for t in bucket]).to(dt)
+            flattened.append(flat)
+            return (flat / 2 if divide else flat) * 3
+
+        opt.allreduce_bucket = allreduce_bucket
+        opt.unflatten = lambda flat, tensors: [t for t in flat.split([x.numel() for x in tensors])]
+        method_of(opt)(small, torch.float32, divide=divide, bucket_ranks=ranks, output_bucket=outputs)
+        return bucket_buf, flat_part, flattened
+
+    def fused(opt):
+        assert fused_zero.install(opt)
+        return opt.allreduce_and_copy_with_multiple_ranks
+
+    for divide in (False, True):
+        got_buf, got_part, got_flat = run(fused, divide)
+        want_buf, want_part, _ = run(
+            lambda opt: types.MethodType(DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks, opt), divide)
+        assert not got_flat, "the in-place path flattened the bucket"
+        reduced = (ipg / 2 if divide else ipg) * 3
+        for o, n, r in zip(offs, sizes, ranks):
+            mine = r == 1 or (isinstance(r, frozenset) and 1 in r)
+            want = want_buf[o:o + n] if mine else reduced[o:o + n]
+            torch.testing.assert_close(got_buf[o:o + n], want, rtol=0, atol=0)
+        torch.testing.assert_close(got_part, want_part, rtol=0, atol=0)
