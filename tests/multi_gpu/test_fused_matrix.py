@@ -51,6 +51,13 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
 
     calls = dict.fromkeys(("pack", "pack_partitions", "unpack_accumulate"), 0)
     originals = {name: getattr(ops, name) for name in calls}
+    from deepspeed_multi import fused_zero
+    as_run = fused_zero._bucket_as_run
+
+    def counting_in_place(*args):  # ZeRO-1/2: the bucket all-reduced where it lies
+        run = as_run(*args)
+        calls["in_place"] = calls.get("in_place", 0) + (run is not None)
+        return run
 
     def counting(name):
 
@@ -62,8 +69,9 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
 
     scenarios.ds_config = ds_config
     scenarios.SCENARIOS.update({n: on_world(factories[n]) for n in names})
-    for name in calls:
+    for name in originals:
         setattr(ops, name, counting(name))
+    fused_zero._bucket_as_run = counting_in_place
     try:
         scenarios.check_many(names)
     finally:
@@ -71,14 +79,16 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
         scenarios.SCENARIOS.update(factories)
         for name, op in originals.items():
             setattr(ops, name, op)
+        fused_zero._bucket_as_run = as_run
     if os.environ.get("DSM_FUSED_ZERO", "1") == "0":
         assert not any(calls.values()), f"DSM_FUSED_ZERO=0 but the fused ops ran: {calls}"
         return
-    # Which fused passes the scenarios must reach: z1/z2 the bucket pack, z2/z3 the copy-back,
-    # z3 the reduce-scatter input.
+    # Which fused passes the scenarios must reach: z1/z2 the bucket pack, z1/z2/z3 a fused pass
+    # after the reduction (z1/z2 the in-place all-reduce or the copy-back, z3 the copy-back), z3
+    # the reduce-scatter input.
     stages = {int(z) for n in names for z in re.findall(r"z(\d)", n)}
-    expected = {"pack": bool(stages & {1, 2}), "unpack_accumulate": bool(stages & {2, 3}),
-                "pack_partitions": 3 in stages}
+    calls["after_reduction"] = calls["unpack_accumulate"] + calls.get("in_place", 0)
+    expected = {"pack": bool(stages & {1, 2}), "after_reduction": bool(stages), "pack_partitions": 3 in stages}
     for name, needed in expected.items():
         if needed:
             assert calls[name] > 0, f"the fused ZeRO pass {name} never ran: every bucket fell back ({calls})"
