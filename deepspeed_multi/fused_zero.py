@@ -236,8 +236,9 @@ def _z2_allreduce_and_copy_with_multiple_ranks(self,
     with_output = [m and o is not None for m, o in zip(local, outputs)]
     for start, stop in runs_of(with_output):
         ops.unpack_accumulate(flat[offsets[start]:offsets[stop]], outputs[start:stop], 1.0, True)
-    for start, stop in ([] if in_place else runs_of(local)):
-        ops.unpack_accumulate(flat[offsets[start]:offsets[stop]], small_bucket[start:stop], 1.0, False)
+    if not in_place:  # in place, this rank's slices already hold the reduced values
+        for start, stop in runs_of(local):
+            ops.unpack_accumulate(flat[offsets[start]:offsets[stop]], small_bucket[start:stop], 1.0, False)
     if record:
         for buf, mine in zip(small_bucket, local):
             if mine:
@@ -260,9 +261,8 @@ def install(optimizer) -> bool:
 
     Supported: ZeRO-3 without optimizer offload (``partition_grads``, ``zero3_scatter``), ZeRO-1/2
     without CPU offload (``allreduce_and_copy_with_multiple_ranks``, ``zero2_pack``), neither with
-    ZenFlow. Anything else
-    (offload, a subclass that overrides the method, an optimizer
-    already installed, ``DSM_FUSED_ZERO=0``) returns False and changes nothing.
+    ZenFlow. Anything else (offload, a subclass that overrides the method, an optimizer already
+    installed, ``DSM_FUSED_ZERO=0``) returns False and changes nothing.
     """
     if os.environ.get(ENV, "1").strip() == "0":
         _log_once("env", "deepspeed_multi fused_zero: disabled by %s=0", ENV)

@@ -5,6 +5,7 @@ ranks, once as plain PyTorch modules on every rank (the reference sees the batch
 ranks and averages the per-rank losses, which is what data-parallel averaging computes).
 """
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
@@ -60,6 +61,24 @@ def ds_config(stage=2, dtype="fp32", gas=1, micro_bs=4, **extra):
         else:
             cfg[key] = value
     return cfg
+
+
+@contextmanager
+def record_found(module, name):
+    """Patch ``module.<name>``, a function that returns a tensor or None, for the block; yield the
+    list of what each call returned: True where it found one, False where it fell back."""
+    found, original = [], getattr(module, name)
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        found.append(result is not None)
+        return result
+
+    setattr(module, name, recording)
+    try:
+        yield found
+    finally:
+        setattr(module, name, original)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 import deepspeed.comm as dist
 import deepspeed_multi
-from common import MLP, ds_config, full_params
+from common import MLP, ds_config, full_params, record_found
 from harness import run_distributed
 
 # name: (stage, dtype, gas, gradient_clipping, world, extra zero_optimization, fp32 accumulation)
@@ -59,16 +59,7 @@ def _check(name):
         engines[fused], *_ = deepspeed_multi.initialize(
             model=model, optimizer=opt, config={**copy.deepcopy(cfg), "deepspeed_multi": {"fused_reduce": fused}})
 
-    in_place = []
-    original = fused_zero._bucket_as_run
-
-    def counting(*args):
-        run = original(*args)
-        in_place.append(run is not None)
-        return run
-
-    fused_zero._bucket_as_run = counting
-    try:
+    with record_found(fused_zero, "_bucket_as_run") as in_place:
         for step in range(STEPS * gas):
             for engine in engines.values():
                 x, y = _batch(step, rank, dtype)
@@ -79,8 +70,6 @@ def _check(name):
                 assert torch.equal(got[True][n], got[False][n]), (
                     f"{name}: {n} differs between the in-place reduction and DeepSpeed's after micro-step {step}: "
                     f"max {(got[True][n] - got[False][n]).abs().max().item():.3e}")
-    finally:
-        fused_zero._bucket_as_run = original
     assert in_place and all(in_place), f"{name} rank {rank}: a bucket fell back to DeepSpeed's flatten ({in_place})"
     if dtype == "fp16":
         skipped = [e.skipped_steps for e in engines.values()]

@@ -19,7 +19,7 @@ import torch
 
 import deepspeed.comm as dist
 import deepspeed_multi
-from common import FP32_TOL, MLP, ds_config, full_params
+from common import FP32_TOL, MLP, ds_config, full_params, record_found
 from harness import run_distributed
 
 # name: (stage, dtype, gradient_clipping, gas, model kwargs, extra zero_optimization, options)
@@ -101,16 +101,7 @@ def _check(name):
     ref_opt = _optimizer(ref, groups, unused)
     d_out = model_kwargs.get("d_out", 8)
 
-    taken = []
-    original = zero12_step.run_view
-
-    def counting(grads, numel):
-        view = original(grads, numel)
-        taken.append(view is not None)
-        return view
-
-    zero12_step.run_view = counting
-    try:
+    with record_found(zero12_step, "run_view") as taken:
         for step in range(UPDATES * gas):
             for engine in engines.values():
                 x, y = _batch(step, rank, d_out)
@@ -132,8 +123,6 @@ def _check(name):
                 if dtype == "fp32":
                     err = max((got["view"][n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
                     assert err <= FP32_TOL, f"{name}: max abs error {err:.3e} vs plain PyTorch"
-    finally:
-        zero12_step.run_view = original
     expected = _expected(options, rank, world)
     per_update = 2 if groups else 1
     if expected is None:

@@ -18,7 +18,7 @@ import torch
 
 import deepspeed.comm as dist
 import deepspeed_multi
-from common import FP32_TOL, MLP, ds_config, full_params
+from common import FP32_TOL, MLP, ds_config, full_params, record_found
 from harness import run_distributed
 
 CONFIGS = {
@@ -65,16 +65,7 @@ def _check(name):
     ref = _model(frozen)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.02)
 
-    taken = []
-    original = zero3_step.one_view
-
-    def counting(grads, master):
-        view = original(grads, master)
-        taken.append(view is not None)
-        return view
-
-    zero3_step.one_view = counting
-    try:
+    with record_found(zero3_step, "one_view") as taken:
         for step in range(UPDATES * gas):
             for engine in engines.values():
                 x, y = _batch(step, rank)
@@ -98,8 +89,6 @@ def _check(name):
                     assert err <= FP32_TOL, f"{name}: max abs error {err:.3e} vs plain PyTorch"
                 # The view's in-place unscale/clip landed in the buffer; the next window starts from zeros.
                 assert not engines["view"].optimizer.grad_partitions_flat_buffer.any()
-    finally:
-        zero3_step.one_view = original
     if dtype == "fp32" or fp32_accum:
         assert taken and all(taken), f"{name}: the update fell back to DeepSpeed's copy ({taken})"
     else:
