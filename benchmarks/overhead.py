@@ -13,20 +13,30 @@ Prints a table and ``RESULT overhead_ratio_z1=.. overhead_ratio_z2=.. overhead_r
 (ours / upstream step time, fp32; goal <= 1.00 within noise), writes
 benchmarks/results/overhead.json and overhead.png.
 
-``--watchdog`` measures the watchdog instead: a third variant, ours with
-``watchdog_timeout_s=0``, runs interleaved with the other two; the table gives ours (watchdog
-on, the default) / ours (off) as a paired ratio beside the upstream baseline of the same run,
-prints ``RESULT watchdog_ratio_z1=.. ..`` and writes results/overhead_watchdog.json.
+``--watchdog`` and ``--rank-agreement`` measure one of our safety features instead: a third
+variant, ours with that feature off (``watchdog_timeout_s=0``, or ``DSM_CHECK_RANK_AGREEMENT=0``),
+runs interleaved with the other two; the table gives ours (feature on, the default) / ours (off)
+as a paired ratio beside the upstream baseline of the same run, prints ``RESULT
+watchdog_ratio_z1=.. ..`` (``rank_agreement_ratio_..``) and writes
+results/overhead_watchdog.json (overhead_rank_agreement.json). ``--dtypes`` picks the dtypes
+of that mode (default fp32).
 
-Usage: python benchmarks/overhead.py [--steps 15] [--warmup 4] [--no-memory] [--quick] [--watchdog]
+Usage: python benchmarks/overhead.py [--steps 15] [--warmup 4] [--no-memory] [--quick]
+                                     [--watchdog | --rank-agreement [--dtypes fp32 bf16]]
 """
 from __future__ import annotations
 
 import copy
+import os
+from unittest import mock
 
 import _bench as B
 
 D, LAYERS, SEQ, MICRO_BS = 256, 3, 32, 8
+
+# --watchdog / --rank-agreement: what turns the feature off in the third variant.
+FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
+            "rank_agreement": {"config": {}, "env": {"DSM_CHECK_RANK_AGREEMENT": "0"}}}
 
 
 def _make(initialize, stage, dtype, model, **extra):
@@ -55,8 +65,9 @@ def _step_fn(kind, engine):
     return step
 
 
-def timing(configs, warmup, steps, watchdog_off_variant=False):
-    """All (stage, dtype) configs in one pair of processes, one config at a time."""
+def timing(configs, warmup, steps, feature_off=None):
+    """All (stage, dtype) configs in one pair of processes, one config at a time; with
+    ``feature_off`` (a FEATURES key) a third variant, ours with that feature off."""
     import gc
 
     import deepspeed
@@ -66,9 +77,11 @@ def timing(configs, warmup, steps, watchdog_off_variant=False):
         model = B.Tower(D, D, LAYERS, D, seed=1)
         engines = {"upstream": _make(deepspeed.initialize, stage, dtype, copy.deepcopy(model)),
                    "ours": _make(deepspeed_multi.initialize, stage, dtype, copy.deepcopy(model))}
-        if watchdog_off_variant:
-            engines["ours_watchdog_off"] = _make(deepspeed_multi.initialize, stage, dtype, copy.deepcopy(model),
-                                                 deepspeed_multi={"watchdog_timeout_s": 0})
+        if feature_off is not None:
+            off = FEATURES[feature_off]
+            with mock.patch.dict(os.environ, off["env"]):
+                engines["ours_off"] = _make(deepspeed_multi.initialize, stage, dtype, copy.deepcopy(model),
+                                            deepspeed_multi=off["config"])
         t = B.interleave({k: _step_fn(k, e) for k, e in engines.items()}, warmup, steps)
         out[(stage, dtype)] = {k: v["total"] for k, v in t.items()}
         engines.clear()
@@ -89,9 +102,13 @@ def main():
     ap.add_argument("--memory-bf16", action="store_true", help="also measure bf16 memory (6 more launches)")
     ap.add_argument("--quick", action="store_true", help="fp32 only, fewer steps")
     ap.add_argument("--watchdog", action="store_true", help="ours with the watchdog on vs off (see above)")
+    ap.add_argument("--rank-agreement", action="store_true",
+                    help="ours with the ZeRO-0/1 rank-agreement check on vs off (see above)")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                    help="dtypes of --watchdog / --rank-agreement")
     args = ap.parse_args()
-    if args.watchdog:
-        return watchdog_main(args)
+    if args.watchdog or args.rank_agreement:
+        return feature_main(args, "watchdog" if args.watchdog else "rank_agreement")
     if args.quick:
         args.steps, args.warmup = 6, 2
     dtypes = ["fp32"] if args.quick else ["fp32", "bf16"]
@@ -139,30 +156,33 @@ def main():
     print(result)
 
 
-def watchdog_main(args):
-    """Watchdog on (default timeout) vs off, fp32 ZeRO 1-3, beside the upstream baseline of the same run."""
-    configs = [(stage, "fp32") for stage in (1, 2, 3)]
-    timings = B.launch(timing, configs, args.warmup, args.steps, True)[0]
+def feature_main(args, feature):
+    """Ours with ``feature`` on (the default) vs off, ZeRO 1-3, beside the upstream baseline of the same run."""
+    configs = [(stage, dtype) for dtype in args.dtypes for stage in (1, 2, 3)]
+    timings = B.launch(timing, configs, args.warmup, args.steps, feature)[0]
     rows, data = [], []
     for stage, dtype in configs:
         t = timings[(stage, dtype)]
         rec = {"stage": stage, "dtype": dtype, **{f"{k}_ms": B.median(v) for k, v in t.items()},
-               "ratio_on_off": B.paired_ratio(t["ours"], t["ours_watchdog_off"]),
+               "ratio_on_off": B.paired_ratio(t["ours"], t["ours_off"]),
                "ratio_on_upstream": B.paired_ratio(t["ours"], t["upstream"]),
-               "ratio_off_upstream": B.paired_ratio(t["ours_watchdog_off"], t["upstream"]), "raw_ms": t}
+               "ratio_off_upstream": B.paired_ratio(t["ours_off"], t["upstream"]), "raw_ms": t}
         data.append(rec)
         rows.append([f"ZeRO-{stage}", dtype, f"{rec['upstream_ms']:.1f}", f"{rec['ours_ms']:.1f}",
-                     f"{rec['ours_watchdog_off_ms']:.1f}", f"{rec['ratio_on_off']:.3f}",
+                     f"{rec['ours_off_ms']:.1f}", f"{rec['ratio_on_off']:.3f}",
                      f"{rec['ratio_on_upstream']:.3f}", f"{rec['ratio_off_upstream']:.3f}"])
-    headers = ["stage", "dtype", "upstream ms", "ours, watchdog on ms", "ours, watchdog off ms",
+    what = feature.replace("_", " ")
+    headers = ["stage", "dtype", "upstream ms", f"ours, {what} on ms", f"ours, {what} off ms",
                "on/off (paired)", "on/upstream (paired)", "off/upstream (paired)"]
     table = B.fmt_table(headers, rows)
-    print(f"\nWatchdog overhead: one engine, {LAYERS} blocks d={D}, micro-batch {MICRO_BS}x{SEQ}, 2 ranks, median "
-          f"of {args.steps} interleaved steps after {args.warmup} warm-up\n")
+    print(f"\nCost of the {what}: one engine, {LAYERS} blocks d={D}, micro-batch {MICRO_BS}x{SEQ}, 2 ranks, "
+          f"median of {args.steps} interleaved steps after {args.warmup} warm-up\n")
     print(table)
-    result = "RESULT " + " ".join(f"watchdog_ratio_z{r['stage']}={r['ratio_on_off']:.3f}" for r in data)
-    B.save("overhead_watchdog", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "rows": data, "table": table,
-                                 "result": result})
+    result = "RESULT " + " ".join(
+        f"{feature}_ratio_z{r['stage']}{'' if r['dtype'] == 'fp32' else '_' + r['dtype']}={r['ratio_on_off']:.3f}"
+        for r in data)
+    B.save(f"overhead_{feature}", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "rows": data,
+                                   "table": table, "result": result})
     print(result)
 
 
