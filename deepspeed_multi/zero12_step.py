@@ -35,23 +35,30 @@ rather than in the copy. DeepSpeed has already cleared every ``param.grad`` poin
 (``free_grad_in_param_list``, right before), and the next backward allocates a new buffer, so no
 reader can tell.
 
-``DSM_ZERO12_GRAD_VIEW=0`` keeps DeepSpeed's flatten (for A/B benchmarks).
+The same view serves the overflow check before the update: ``has_overflow_partitioned_grads_serial``
+tests every gradient of the partition for inf/nan one tensor at a time (an ``amax``, an ``amin``
+and two ``isfinite`` per parameter, every update at every dtype); :func:`partition_has_overflow`
+tests each group's partition once, as one run. A value is non-finite in the run exactly when it is
+in one of its tensors, so the decision is the same.
+
+``DSM_ZERO12_GRAD_VIEW=0`` keeps DeepSpeed's flatten and its per-tensor check (for A/B benchmarks).
 """
 from __future__ import annotations
 
 import os
 import types
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .fused_zero import is_exact_method, run_view
+from .fused_zero import consecutive_runs, flat_run, is_exact_method, run_view
 
 ENV = "DSM_ZERO12_GRAD_VIEW"
 _ATTR = "_dsm_zero12_step"
 _COPY = "copy_grads_in_partition"
 _PREFLATTENED = "_get_preflattened_grad_partition"
+_OVERFLOW = "has_overflow_partitioned_grads_serial"
 
 
 def partition_slots(optimizer) -> Tuple[Dict[int, int], int]:
@@ -96,6 +103,36 @@ def preflattened_partition(self, group_idx):
     return view
 
 
+def partition_views(optimizer) -> Optional[List[torch.Tensor]]:
+    """Each group's gradient partition (``averaged_gradients[i]``, its tensors that are not None)
+    as one 1-D view, leaving out groups with nothing in them; ``None`` if some group's tensors do
+    not lie one after another in one buffer (or are sparse)."""
+    views = []
+    for i in range(len(optimizer.bit16_groups)):
+        grads = [g for g in optimizer.averaged_gradients[i] if g is not None]
+        if any(g.is_sparse for g in grads):
+            return None
+        filled = [g for g in grads if g.numel() > 0]
+        if not filled:
+            continue
+        if consecutive_runs(filled) != [(0, len(filled))]:
+            return None
+        views.append(flat_run(filled))
+    return views
+
+
+def partition_has_overflow(self):
+    """Replacement for ``has_overflow_partitioned_grads_serial`` (bound to a ZeRO-1/2 optimizer):
+    DeepSpeed's per-tensor test (``_has_inf_or_nan``, counted into one flag) on each group's run."""
+    views = partition_views(self)
+    if views is None:
+        return self._dsm_zero12_step["overflow"]()
+    invalid_grad_count = torch.zeros([1], dtype=torch.float, device=get_accelerator().current_device_name())
+    for view in views:
+        invalid_grad_count += self._has_inf_or_nan(view)
+    return invalid_grad_count.bool()
+
+
 def install(optimizer) -> bool:
     """Give ``optimizer``'s update a view of its gradient partition; return whether it did."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -111,7 +148,10 @@ def install(optimizer) -> bool:
         "numel": int(numel),
         "copy": getattr(optimizer, _COPY),
         "preflattened": getattr(optimizer, _PREFLATTENED),
+        "overflow": getattr(optimizer, _OVERFLOW),
     }
     setattr(optimizer, _COPY, types.MethodType(copy_in_partition_order, optimizer))
     setattr(optimizer, _PREFLATTENED, types.MethodType(preflattened_partition, optimizer))
+    if all(is_exact_method(optimizer, DeepSpeedZeroOptimizer, m) for m in (_OVERFLOW, "_has_inf_or_nan")):
+        setattr(optimizer, _OVERFLOW, types.MethodType(partition_has_overflow, optimizer))
     return True

@@ -8,7 +8,10 @@ taken the view, or fallen back, where the config says. The configs reach what th
 the in-place unscale and clip (clipping that binds, fp16 loss scaling), gradient accumulation,
 ZeRO-2's reduction in backward order over many small buckets (with and without overlap_comm),
 two parameter groups, and the fallbacks: the last rank's zero padding (odd parameter count), a
-parameter without a gradient, and DeepSpeed's own flat fp32 accumulation buffer.
+parameter without a gradient, and DeepSpeed's own flat fp32 accumulation buffer. The overflow check
+before each update reads the same view (``partition_has_overflow``): the engine with DeepSpeed's
+flatten keeps DeepSpeed's per-tensor check, and in the fp16 configs where rank 0 alone overflows
+both must skip the same updates.
 """
 import copy
 import os
@@ -24,7 +27,8 @@ from harness import run_distributed
 
 # name: (stage, dtype, gradient_clipping, gas, model kwargs, extra zero_optimization, options)
 # options: "groups" (two optimizer param groups), "unused" (fc2.bias gets no gradient),
-#          "fp32acc" (grad_accum_dtype fp32), "padded" (odd parameter count).
+#          "fp32acc" (grad_accum_dtype fp32), "padded" (odd parameter count),
+#          "overflow" (rank 0 alone feeds an inf at OVERFLOW_STEPS).
 CONFIGS = {
     "z1-fp32-clip-gas2": (1, "fp32", 0.05, 2, {}, {}, ()),
     "z2-fp32-clip-gas2": (2, "fp32", 0.05, 2, {}, {}, ()),
@@ -36,8 +40,14 @@ CONFIGS = {
     "z2-fp32-padded": (2, "fp32", 0.05, 1, {"d_out": 7}, {}, ("padded", )),
     "z1-fp32-unused": (1, "fp32", 0.0, 1, {}, {}, ("unused", )),
     "z2-bf16-fp32acc": (2, "bf16", 0.0, 2, {}, {}, ("fp32acc", )),
+    "z1-fp16-overflow": (1, "fp16", 0.05, 1, {}, {}, ("overflow", )),
+    # Without the norm (compute_grad_norm false, ZeRO-1/2 only), whose inf would skip the update
+    # too, the overflow check alone decides.
+    "z2-fp16-overflow-gas2-nonorm": (2, "fp16", 0.0, 2, {}, {"compute_grad_norm": False}, ("overflow", )),
+    "z1-bf16-overflow-nonorm": (1, "bf16", 0.0, 1, {}, {"compute_grad_norm": False}, ("overflow", )),
 }
 UPDATES = 3
+OVERFLOW_STEPS = (1, )
 
 
 class _Net(MLP):
@@ -53,9 +63,12 @@ class _Net(MLP):
         return torch.nn.functional.linear(torch.tanh(self.fc1(x)), self.fc2.weight).float()  # no fc2.bias
 
 
-def _batch(step, rank, d_out):
+def _batch(step, rank, d_out, overflow=False):
     g = torch.Generator().manual_seed(7 * step + rank)
-    return torch.randn(4, 8, generator=g), torch.randn(4, d_out, generator=g)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, d_out, generator=g)
+    if overflow and rank == 0 and step in OVERFLOW_STEPS:
+        x[0, 0] = float("inf")  # non-finite gradients on this rank only
+    return x, y
 
 
 def _optimizer(model, groups, unused=False):
@@ -100,11 +113,12 @@ def _check(name):
     ref = make()
     ref_opt = _optimizer(ref, groups, unused)
     d_out = model_kwargs.get("d_out", 8)
+    overflow = "overflow" in options
 
-    with record_found(zero12_step, "run_view") as taken:
+    with record_found(zero12_step, "run_view") as taken, record_found(zero12_step, "partition_views") as checked:
         for step in range(UPDATES * gas):
             for engine in engines.values():
-                x, y = _batch(step, rank, d_out)
+                x, y = _batch(step, rank, d_out, overflow)
                 ((engine(x) - y)**2).mean().backward()
                 engine.step()
             for r in range(world):  # the reference sees every rank's micro-batch: DP averages over ranks
@@ -125,11 +139,19 @@ def _check(name):
                     assert err <= FP32_TOL, f"{name}: max abs error {err:.3e} vs plain PyTorch"
     expected = _expected(options, rank, world)
     per_update = 2 if groups else 1
+    skipped = [e.skipped_steps for e in engines.values()]
+    assert skipped[0] == skipped[1] and (skipped[0] > 0) == overflow, f"{name}: skipped updates {skipped}"
+    applied = UPDATES - skipped[0]  # an overflowed update reads no gradient partition
     if expected is None:
         assert not taken, f"{name}: DeepSpeed's own flat fp32 buffer should have been used ({taken})"
     else:
-        assert taken == [expected] * (UPDATES * per_update), (
+        assert taken == [expected] * (applied * per_update), (
             f"{name} rank {rank}: expected {'the view' if expected else 'the flatten'} at every update, got {taken}")
+        # DeepSpeed checks for overflow before every 16-bit update (bf16's check_grad_overflow, fp16), not at fp32.
+        want = [expected] * UPDATES if dtype != "fp32" else []
+        assert checked == want, (
+            f"{name} rank {rank}: expected the overflow check {'on the view' if expected else 'per tensor'} at "
+            f"every 16-bit update, got {checked}")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -102,3 +102,58 @@ def test_update_gets_deepspeeds_flat_partition_first(monkeypatch):
     assert opt._get_preflattened_grad_partition(0) is None
     opt.averaged_gradients = {0: [buffer.narrow(0, 0, 3), buffer.narrow(0, 3, 3)]}  # short of the partition
     assert opt._get_preflattened_grad_partition(0) is None
+
+
+_NONFINITE = st.sampled_from([None, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(group_sizes=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=5), min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), separate=st.booleans(),
+       data=st.data())
+def test_overflow_check_decides_as_deepspeeds_per_tensor_check(group_sizes, dtype, separate, data):
+    """The partition's inf/nan test on one view per group gives DeepSpeed's per-tensor answer, for
+    any sizes (empty tensors, None entries), dtypes and position of a non-finite value, and falls
+    back to DeepSpeed's own where a group's tensors are not one run."""
+    opt = _fake(group_sizes)
+    with mock.patch.dict(os.environ, {zero12_step.ENV: "1"}):
+        assert zero12_step.install(opt)
+    assert isinstance(opt.has_overflow_partitioned_grads_serial, types.MethodType)
+    opt.averaged_gradients = {}
+    for i, sizes in enumerate(group_sizes):
+        buffer = torch.randn(sum(sizes)).to(dtype)
+        grads, offset = [], 0
+        for n in sizes:
+            grads.append(torch.randn(n).to(dtype) if separate else buffer.narrow(0, offset, n))
+            offset += n
+        if data.draw(st.booleans(), label="a None entry"):
+            grads.insert(data.draw(st.integers(0, len(grads)), label="at"), None)
+        opt.averaged_gradients[i] = grads
+    value = data.draw(_NONFINITE, label="non-finite value")
+    tensors = [g for grads in opt.averaged_gradients.values() for g in grads if g is not None and g.numel() > 0]
+    if value is not None and tensors:
+        t = data.draw(st.sampled_from(tensors), label="in tensor")
+        t.view(-1)[data.draw(st.integers(0, t.numel() - 1), label="at element")] = value
+    want = DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial(opt)
+    got = opt.has_overflow_partitioned_grads_serial()
+    assert got.dtype == want.dtype and got.shape == want.shape and bool(got) == bool(want)
+    assert bool(got) == (value is not None and bool(tensors))
+    one_run = zero12_step.partition_views(opt) is not None
+    several = any(len([g for g in grads if g is not None and g.numel() > 0]) > 1
+                  for grads in opt.averaged_gradients.values())
+    assert one_run == (not separate or not several)
+
+
+def test_overflow_check_left_alone_where_overridden(monkeypatch):
+    monkeypatch.delenv(zero12_step.ENV, raising=False)
+
+    class Sub(DeepSpeedZeroOptimizer):
+
+        @staticmethod
+        def _has_inf_or_nan(x, j=None):  # a subclass's own test is kept, per tensor
+            return torch.tensor(False)
+
+    sub = _fake([[3]])
+    sub.__class__ = Sub
+    assert zero12_step.install(sub)  # the view is installed, the overflow check is not replaced
+    assert "has_overflow_partitioned_grads_serial" not in vars(sub)
