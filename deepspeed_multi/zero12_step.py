@@ -37,7 +37,7 @@ reader can tell.
 
 The same view serves the overflow check before the update: ``has_overflow_partitioned_grads_serial``
 tests every gradient of the partition for inf/nan one tensor at a time (an ``amax``, an ``amin``
-and two ``isfinite`` per parameter, every update at every dtype); :func:`partition_has_overflow`
+and two ``isfinite`` per parameter, before every bf16/fp16 update); :func:`partition_has_overflow`
 tests each group's partition once, as one run. A value is non-finite in the run exactly when it is
 in one of its tensors, so the decision is the same.
 

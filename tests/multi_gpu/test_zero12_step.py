@@ -10,8 +10,8 @@ ZeRO-2's reduction in backward order over many small buckets (with and without o
 two parameter groups, and the fallbacks: the last rank's zero padding (odd parameter count), a
 parameter without a gradient, and DeepSpeed's own flat fp32 accumulation buffer. The overflow check
 before each update reads the same view (``partition_has_overflow``): the engine with DeepSpeed's
-flatten keeps DeepSpeed's per-tensor check, and in the fp16 configs where rank 0 alone overflows
-both must skip the same updates.
+flatten keeps DeepSpeed's per-tensor check, and in the fp16/bf16 configs where rank 0 alone
+overflows both must skip the same updates.
 """
 import copy
 import os
