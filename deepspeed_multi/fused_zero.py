@@ -94,14 +94,19 @@ def flat_run(tensors: Sequence[Tensor]) -> Tensor:
     return first.as_strided((total, ), (1, ), first.storage_offset())
 
 
-def run_view(tensors: Sequence[Tensor], numel: int) -> Optional[Tensor]:
-    """A 1-D view covering ``tensors`` if they are one run (:func:`consecutive_runs`) of ``numel``
-    elements in all, else ``None``: what a flatten of them would hold, without the copy."""
+def one_run(tensors: Sequence[Tensor]) -> Optional[Tensor]:
+    """A 1-D view covering ``tensors`` if they are one run (:func:`consecutive_runs`), else ``None``
+    (also when every one is empty): what a flatten of them would hold, without the copy."""
     filled = [t for t in tensors if t.numel() > 0]  # an empty tensor adds nothing to a flatten either
     if not filled or consecutive_runs(filled) != [(0, len(filled))]:
         return None
-    view = flat_run(filled)
-    return view if view.numel() == numel else None
+    return flat_run(filled)
+
+
+def run_view(tensors: Sequence[Tensor], numel: int) -> Optional[Tensor]:
+    """:func:`one_run`, if it holds ``numel`` elements in all, else ``None``."""
+    view = one_run(tensors)
+    return view if view is not None and view.numel() == numel else None
 
 
 # ------------------------------------------------------------------------------------ ZeRO-3

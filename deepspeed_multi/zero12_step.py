@@ -52,7 +52,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .fused_zero import consecutive_runs, flat_run, is_exact_method, run_view
+from .fused_zero import is_exact_method, one_run, run_view
 
 ENV = "DSM_ZERO12_GRAD_VIEW"
 _ATTR = "_dsm_zero12_step"
@@ -112,12 +112,12 @@ def partition_views(optimizer) -> Optional[List[torch.Tensor]]:
         grads = [g for g in optimizer.averaged_gradients[i] if g is not None]
         if any(g.is_sparse for g in grads):
             return None
-        filled = [g for g in grads if g.numel() > 0]
-        if not filled:
+        if all(g.numel() == 0 for g in grads):
             continue
-        if consecutive_runs(filled) != [(0, len(filled))]:
+        view = one_run(grads)
+        if view is None:
             return None
-        views.append(flat_run(filled))
+        views.append(view)
     return views
 
 
