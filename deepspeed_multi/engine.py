@@ -14,7 +14,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from . import (_outside_use, fused_zero, grad_scale, misuse, watchdog, zero2_pack, zero_hook_count, zero3_counters,
-               zero3_step, zero12_step, zero_buffers)
+               zero3_step, zero12_overflow, zero12_step, zero_buffers)
 from ._boundary import wrap_inputs, wrap_outputs
 from ._region import Region
 from ._tree import tree_tensors
@@ -76,6 +76,7 @@ class MultiEngine(DeepSpeedEngine):
         zero_buffers.start_window(self.optimizer)
         zero3_step.install(self.optimizer)  # ZeRO-3's update reads the gradient buffer, not a copy
         zero12_step.install(self.optimizer)  # so does ZeRO-1/2's, where the partition is one run
+        zero12_overflow.install(self.optimizer)  # 16-bit: the norm's all-reduce also decides overflow
         if self.options.fused_reduce:
             fused_zero.install(self.optimizer)
         # The rank-agreement wait goes after the bucket pack, right before the first collective.
