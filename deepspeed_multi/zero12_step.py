@@ -39,7 +39,9 @@ The same view serves the overflow check before the update: ``has_overflow_partit
 tests every gradient of the partition for inf/nan one tensor at a time (an ``amax``, an ``amin``
 and two ``isfinite`` per parameter, before every bf16/fp16 update); :func:`partition_has_overflow`
 tests each group's partition once, as one run. A value is non-finite in the run exactly when it is
-in one of its tensors, so the decision is the same.
+in one of its tensors, so the decision is the same. Where the gradient norm is on, step() asks for
+no flag at all: the norm's all-reduce decides overflow (zero12_overflow.py); this check serves
+``compute_grad_norm: false`` and the configurations zero12_overflow leaves alone.
 
 ``DSM_ZERO12_GRAD_VIEW=0`` keeps DeepSpeed's flatten and its per-tensor check (for A/B benchmarks).
 """
