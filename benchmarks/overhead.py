@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                     help="dtypes of --watchdog / --rank-agreement / --overflow-by-norm")
     args = ap.parse_args()
-    for feature in ("watchdog", "rank_agreement", "overflow_by_norm"):
+    for feature in FEATURES:  # each has its flag: --watchdog, --rank-agreement, --overflow-by-norm
         if getattr(args, feature):
             return feature_main(args, feature)
     if args.quick:
