@@ -32,14 +32,15 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "tests" / "multi_gpu"):  # the package; rank_launcher (shared with the tests)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 MB = float(1 << 20)
 
 
 # ----------------------------------------------------------------------------- launching
-from deepspeed_multi._launch import run_ranks, use_gpu  # noqa: E402
+from rank_launcher import run_ranks, use_gpu  # noqa: E402
 
 
 def launch(fn, *args, world_size: int = 2, timeout_s: float = 900):

@@ -1,4 +1,4 @@
-"""End-to-end effect of fused_zero: ZeRO-2 and ZeRO-3 training steps with the fused passes on vs off.
+"""End-to-end effect of the fused bucket passes (deepspeed_multi.zero.FUSED): ZeRO-2 and ZeRO-3 training steps with the fused passes on vs off.
 
 Per stage, three engines are built side by side in the same processes (identical models; one with
 ``{"deepspeed_multi": {"fused_reduce": true}}``, one with false, and upstream ``deepspeed.initialize``
@@ -22,6 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "multi_gpu"))  # rank_launcher
 
 
 def _config(stage, fused, gas, bucket):
@@ -39,13 +40,14 @@ def _config(stage, fused, gas, bucket):
 
 
 def _worker(args):
-    """One rank (started by deepspeed_multi._launch.run_ranks): time both engines per stage."""
+    """One rank (started by rank_launcher.run_ranks): time both engines per stage."""
     os.environ.pop("DSM_FUSED_ZERO", None)
     torch.set_num_threads(args.threads)
     import deepspeed.comm as dist
 
     import deepspeed_multi
-    from deepspeed_multi import ops
+    from deepspeed_multi import compat, ops
+    from deepspeed_multi.zero import FUSED
     rank = dist.get_rank()
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= dist.get_world_size()
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
@@ -65,7 +67,7 @@ def _worker(args):
             else:
                 eng, opt, _, _ = deepspeed_multi.initialize(model=model, model_parameters=model.parameters(),
                                                             config=config)
-                installed = "_dsm_fused_zero" in vars(opt)
+                installed = any(compat.installed(opt, m.FEATURE) for m in FUSED)
                 assert installed == fused, f"stage {stage}: fused={fused} but installed={installed}"
             engines[fused] = eng
         names = list(engines)
@@ -119,7 +121,7 @@ def main():
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
 
-    from deepspeed_multi._launch import run_ranks
+    from rank_launcher import run_ranks
     results, backend, device = run_ranks(_worker, args, world_size=args.world, timeout_s=900, quiet_rank0=False)[0]
 
     print(f"\nfused_zero end to end: {args.layers} x Linear({args.dim}, {args.dim}), {args.world} ranks on {device}, "

@@ -4,11 +4,11 @@
 
 is a drop-in for ``deepspeed.initialize``; the engine is a :class:`MultiEngine`.
 """
-from ._state import TrainingState
 from .checkpoint import load_checkpoint, save_checkpoint
 from .engine import MultiEngine
 from .initialize import initialize
-from .zero_init import zero_init
+from .integrations.zero_init import zero_init
+from .state import TrainingState
 
 __all__ = ["MultiEngine", "TrainingState", "initialize", "load_checkpoint", "save_checkpoint", "zero_init"]
 __version__ = "0.1.0"

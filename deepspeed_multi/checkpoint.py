@@ -37,12 +37,11 @@ import logging
 import os
 import random
 import shutil
-import signal
 
 import deepspeed.comm as dist
 import torch
 
-from ._state import TrainingState
+from .state import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +50,13 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 _STAGING = ".{tag}.staging"
 
-# Test-only: the name of a point inside save_checkpoint where every rank that reaches it
-# SIGKILLs itself (tests/multi_gpu/test_checkpoint.py). One of KILL_POINTS, or None.
-_test_kill_at = None
-KILL_POINTS = ("before", "between_engines", "after_engines", "before_rename", "before_latest", "after")
+# The phases of a save, logged at DEBUG as "save_checkpoint phase: <name>" when each is reached
+# (tests/multi_gpu/test_checkpoint.py kills a rank at each of them to test recovery).
+PHASES = ("before", "between_engines", "after_engines", "before_rename", "before_latest", "after")
 
 
-def _kill_point(name):
-    if _test_kill_at == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+def _phase(name):
+    logger.debug("save_checkpoint phase: %s", name)
 
 
 # ---------------------------------------------------------------------------------- save
@@ -77,7 +74,7 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
     tag = _same_on_every_rank(str(tag), "tag")
     _check_name(tag, "tag")
     final, staging = os.path.join(save_dir, tag), os.path.join(save_dir, _STAGING.format(tag=tag))
-    _kill_point("before")
+    _phase("before")
     error = None
     if rank == 0:
         if os.path.exists(final):
@@ -93,11 +90,11 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
         if engine.has_optimizer:
             engine.save_checkpoint(staging, tag=name, client_state={}, save_latest=False)
         if i == 0:
-            _kill_point("between_engines")
+            _phase("between_engines")
     torch.save(_rng_state(), os.path.join(staging, "rng", f"rank{rank}.pt"))
     if rank == 0:
         torch.save(client_state, os.path.join(staging, "client_state.pt"))
-    _kill_point("after_engines")
+    _phase("after_engines")
     dist.barrier()
 
     sums = _checksums(staging)
@@ -108,12 +105,12 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
                     "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(), "world_size": world,
                     "engines": records, "files": sums}
         _write_atomically(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1))
-        _kill_point("before_rename")
+        _phase("before_rename")
         os.rename(staging, final)
         _fsync_dir(save_dir)
-        _kill_point("before_latest")
+        _phase("before_latest")
         _write_atomically(os.path.join(save_dir, LATEST), tag)
-    _kill_point("after")
+    _phase("after")
     dist.barrier()
     return final
 

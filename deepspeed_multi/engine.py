@@ -1,28 +1,30 @@
 """MultiEngine: a DeepSpeedEngine whose backward prologue and epilogue run from autograd hooks.
 
-The engine stays thin: the boundary nodes live in ``_boundary``, the gradient scale in
-``grad_scale``, the ZeRO gradient-buffer handling in ``zero_buffers``.
+The engine stays thin and owns the state; the layers beside it do the work: the autograd
+boundary (``autograd/``), what changes in DeepSpeed's ZeRO optimizers (``zero/``, through
+``compat``), and the checks that fail loudly instead of hanging (``reliability/``).
+docs/design.md walks one ``loss.backward()`` through two engines.
 """
 import logging
-import os
 from contextlib import contextmanager
 
-import deepspeed.comm as dist
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from . import (_outside_use, fused_zero, grad_scale, misuse, watchdog, zero2_pack, zero_hook_count, zero3_counters,
-               zero3_step, zero12_overflow, zero12_step, zero_buffers)
-from ._boundary import wrap_inputs, wrap_outputs
-from ._region import Region
-from ._tree import tree_tensors
-from ._state import TrainingState
+from . import compat, zero
+from .autograd import grad_scale, graph, outside_use
+from .autograd.boundary import wrap_inputs, wrap_outputs
+from .autograd.region import Region
+from .autograd.tree import tree_tensors
 from .config import MultiOptions
-from .misuse import _any_param_in_current_graph, _in_backward
-from .rank_agreement import RankAgreement
-from .skip_group import SkipGroup
+from .reliability import dp_groups, misuse, watchdog
+from .reliability.rank_agreement import RankAgreement
+from .reliability.skip_group import SkipGroup
+from .state import TrainingState
+from .switches import CHECK_RANK_AGREEMENT, switch_on
+from .zero import buffers, stage3_counters, stage12_bucket_pack
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +47,22 @@ class MultiEngine(DeepSpeedEngine):
     """
 
     def __init__(self, *args, user_managed_boundary=False, options=None, **kwargs):
+        compat.check_deepspeed()
         super().__init__(*args, **kwargs)
         self.options = options or MultiOptions()
         # Every stage gets the torch-style path from our boundary nodes, not from DeepSpeed's
         # output hooks and per-parameter counters, so stage 0 and frozen engines work too.
         self._support_torch_style_backward = True
         if isinstance(self.optimizer, ZeROOptimizer):
-            # The epilogue runs from our own graph-task callback (see _boundary).
+            # The epilogue runs from our own graph-task callback (see autograd/boundary.py).
             self.optimizer.unregister_grad_acc_post_hooks()
-            zero_hook_count.install(self.optimizer)  # ZeRO-1/2: the per-backward parameter count, cached
         self._state = TrainingState.IDLE
+        # State the layers beside the engine keep on it, declared here (set by their install()).
+        self._mixed_use = None  # outside_use.MixedUseCheck while direct uses are checked
+        self._outside_use_hooks = None  # outside_use: gradient-accumulator pre-hooks (ZeRO-0)
+        self._nonfinite = self._skip_watch = None  # skip_group: non-finite flag, gradient watches
+        self._skip_decisions, self._updates_done = {}, 0  # skip_group: round -> decision, rounds
+        self._dsm_dp_ranks = None  # dp_groups: the ranks this engine averages over
         # Micro-steps since the last update. DeepSpeed runs unmanaged (every super().step()
         # updates); this engine keeps DeepSpeed's managed meaning of gradient_accumulation_steps
         # unless the user configured managed_gradient_accumulation=false.
@@ -63,38 +71,34 @@ class MultiEngine(DeepSpeedEngine):
         self._window_backwards = 0
         # One tiny all-reduce per update at ZeRO 0/1, off the critical path (rank_agreement.py);
         # DSM_CHECK_RANK_AGREEMENT=0 turns it off.
-        self.check_rank_agreement = os.environ.get("DSM_CHECK_RANK_AGREEMENT", "1") != "0"
+        self.check_rank_agreement = switch_on(CHECK_RANK_AGREEMENT)
         self._rank_agreement = RankAgreement(self)
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
-        # The region: engine(...) and every call of a submodule made outside it (_region.py);
-        # gradients that reach a parameter without crossing it raise (_outside_use.py).
+        # The region: engine(...) and every call of a submodule made outside it (autograd/region.py);
+        # gradients that reach a parameter without crossing it raise (autograd/outside_use.py).
         self._region = Region()
         self._region.install(self)
         self._boundary_crossed = False
         self._leftovers_task = None
-        _outside_use.install(self)
-        zero_buffers.start_window(self.optimizer)
-        zero3_step.install(self.optimizer)  # ZeRO-3's update reads the gradient buffer, not a copy
-        zero12_step.install(self.optimizer)  # so does ZeRO-1/2's, where the partition is one run
-        zero12_overflow.install(self.optimizer)  # 16-bit: the norm's all-reduce also decides overflow
-        if self.options.fused_reduce:
-            fused_zero.install(self.optimizer)
+        outside_use.install(self)
+        buffers.start_window(self.optimizer)
+        zero.install(self.optimizer, self.options.fused_reduce)  # the fast paths ([Note: the install order])
         # The rank-agreement wait goes after the bucket pack, right before the first collective.
-        self._agreement_in_pack = zero2_pack.run_before_reduction(self.optimizer, self._rank_agreement.finish)
+        self._agreement_in_pack = stage12_bucket_pack.run_before_reduction(self.optimizer, self._rank_agreement.finish)
         self.skip_group = None
         if self.options.skip_group is not None and self.trains:
             self.skip_group = SkipGroup.named(self.options.skip_group)
             self.skip_group.add(self)
         self.watchdog = watchdog.attach(self)  # marks this engine's collective regions (watchdog.py)
         misuse.install_outer_engine_guard(self)  # deepspeed.initialize(model=<this engine>)
-        misuse.register_dp_group(self)  # checked where a backward pass first reaches an engine
+        dp_groups.register_dp_group(self)  # checked where a backward pass first reaches an engine
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
         self._recover_from_failed_backward()
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
         stage3 = self.zero_optimization_stage() == 3
-        before = zero3_counters.snapshot(self.module) if stage3 and torch.is_grad_enabled() else None
+        before = stage3_counters.snapshot(self.module) if stage3 and torch.is_grad_enabled() else None
         self._region.enter_forward()
         try:
             outputs = super().forward(*inputs, **kwargs)
@@ -110,10 +114,10 @@ class MultiEngine(DeepSpeedEngine):
         if zero3_before is None:
             outputs = wrap_outputs(self, outputs, _ForwardRecord())
             if self._mixed_use is not None and torch.is_grad_enabled():
-                self._mixed_use.watch_region(outputs)  # first updates only (_outside_use.MixedUseCheck)
+                self._mixed_use.watch_region(outputs)  # first updates only (outside_use.MixedUseCheck)
             return outputs
-        outputs = zero3_counters.cover_outputs(module, outputs)
-        return wrap_outputs(self, outputs, _ForwardRecord(zero3_counters.armed_by_forward(zero3_before, module)))
+        outputs = stage3_counters.cover_outputs(module, outputs)
+        return wrap_outputs(self, outputs, _ForwardRecord(stage3_counters.armed_by_forward(zero3_before, module)))
 
     # DeepSpeed's own output hooks (registered by DeepSpeedEngine.forward) call these two;
     # the boundary nodes replace them, so they do nothing here.
@@ -139,19 +143,19 @@ class MultiEngine(DeepSpeedEngine):
 
     def _before_output_backward(self, record, create_graph: bool):
         """A gradient reached an output of one forward: re-arm ZeRO-3 when it is a later backward pass."""
-        task = torch._C._current_graph_task_id()
+        task = graph.current_task()
         first_in_task = task not in record.graph_tasks
         record.graph_tasks.add(task)
         if self.zero_optimization_stage() != 3:
             return
         if first_in_task and len(record.graph_tasks) > 1:
-            zero3_counters.rearm(record.zero3_armed)
+            stage3_counters.rearm(record.zero3_armed)
         if not self.trains and self._leftovers_task != task:
             # A frozen ZeRO-3 engine runs no optimizer epilogue, whose last act releases the
             # submodules whose post-backward release never fired (a module called twice in one
             # forward); without it they stay gathered and a later release refuses to free them.
             self._leftovers_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_frozen_zero3_backward)
+            graph.at_end_of_backward(self._after_frozen_zero3_backward)
         if create_graph:
             raise RuntimeError(
                 f"MultiEngine ({self._engine_name()}, ZeRO stage 3): backward with create_graph=True (double "
@@ -167,12 +171,12 @@ class MultiEngine(DeepSpeedEngine):
         self.watchdog.backward_reached()
         if self._state is TrainingState.IN_BACKWARD or not self.trains:
             return
-        if not _any_param_in_current_graph(self._trainable_params):
+        if not graph.any_param_in_current_graph(self._trainable_params):
             # e.g. torch.autograd.grad(loss, inputs), a backward that stops above the params, or
-            # params reached only by the nested pass of reentrant checkpointing (_outside_use.py).
+            # params reached only by the nested pass of reentrant checkpointing (autograd/outside_use.py).
             if not self._boundary_crossed:
                 self._boundary_crossed = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._close_boundary_crossing)
+                graph.at_end_of_backward(self._close_boundary_crossing)
             return
         self._start_backward()
 
@@ -188,7 +192,7 @@ class MultiEngine(DeepSpeedEngine):
         DeepSpeedEngine._backward_prologue(self)
         if not self.managed_gradient_accumulation():
             self._unmanaged_backward_count += 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        graph.at_end_of_backward(self._post_backward)
 
     def _post_backward(self):
         """End of the graph task: bucket flush, reduction, fp32 accumulation."""
@@ -202,12 +206,12 @@ class MultiEngine(DeepSpeedEngine):
 
     def _recover_from_failed_backward(self):
         """Called from forward() and zero_grad(): clean up after a backward that raised part way."""
-        if not _in_backward():
+        if not graph.in_backward():
             self._boundary_crossed = False
-        if self._state is TrainingState.IN_BACKWARD and not _in_backward():
+        if self._state is TrainingState.IN_BACKWARD and not graph.in_backward():
             logger.warning("deepspeed_multi: a backward pass through this engine raised before it finished; "
                            "its partial gradients are discarded.")
-            zero_buffers.abort_backward(self)
+            buffers.abort_backward(self)
             self._window_backwards = 0
             self._state = TrainingState.IDLE
 
@@ -262,7 +266,7 @@ class MultiEngine(DeepSpeedEngine):
     def allreduce_gradients(self, *args, **kwargs):
         if not self._agreement_in_pack:
             self._rank_agreement.finish()  # before the first gradient collective (rank_agreement.py)
-        with misuse.own_dp_group(self):  # ZeRO-0 reduces over DeepSpeed's process-wide group
+        with dp_groups.own_dp_group(self):  # ZeRO-0 reduces over DeepSpeed's process-wide group
             super().allreduce_gradients(*args, **kwargs)
 
     @watchdog.watched("step")
@@ -305,7 +309,7 @@ class MultiEngine(DeepSpeedEngine):
         except BaseException:
             self._abort_step()
             raise
-        zero_buffers.start_window(self.optimizer)
+        buffers.start_window(self.optimizer)
         self._state = TrainingState.IDLE
 
     def _step_without_gradients(self, lr_kwargs):
@@ -361,8 +365,8 @@ class MultiEngine(DeepSpeedEngine):
         a checkpoint) fails with "Cannot partition a param in flight"; upstream does the same.
         Drained where no compute of this engine runs and none is prefetched for: step(),
         zero_grad(), the end of a forward no backward can follow (no output requires grad), the
-        end of every forward of a frozen engine (it has no step(); fuzz seed 70408: a frozen
-        engine's output used detached, then GatheredParameters), and the end of a backward
+        end of every forward of a frozen engine (it has no step(); e.g. its output used
+        detached, then GatheredParameters), and the end of a backward
         through a frozen engine. A backward that follows re-gathers what it needs.
         """
         if self.zero_optimization_stage() == 3:
@@ -386,7 +390,7 @@ class MultiEngine(DeepSpeedEngine):
         self._recover_from_failed_backward()
         self._drain_zero3_prefetch()
         super().zero_grad()
-        zero_buffers.discard(self.optimizer)
+        buffers.discard(self.optimizer)
         if self.skip_group is not None:
             self._nonfinite.zero_()
         self._window_backwards = 0

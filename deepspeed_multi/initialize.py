@@ -7,9 +7,10 @@ import threading
 import deepspeed
 from deepspeed.runtime.pipe.module import PipelineModule
 
+from . import compat
 from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
-from .misuse import refuse_engine_as_model
+from .reliability.misuse import refuse_engine_as_model
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
+    compat.check_deepspeed()  # a DeepSpeed outside the supported window: a clear error first
     if isinstance(model, PipelineModule):
         raise NotImplementedError("deepspeed_multi does not support pipeline parallelism: got a PipelineModule. "
                                   "Use deepspeed.initialize for pipeline engines; they run their own schedule "
@@ -52,10 +54,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed, options=options)
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
-    with _ENGINE_CLASS_LOCK:
-        original = deepspeed.DeepSpeedEngine
-        deepspeed.DeepSpeedEngine = engine_class
-        try:
-            return deepspeed.initialize(**kwargs)
-        finally:
-            deepspeed.DeepSpeedEngine = original
+    with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class):
+        return deepspeed.initialize(**kwargs)

@@ -14,6 +14,8 @@ import threading
 
 import deepspeed
 
+from .. import compat
+
 _LOCK = threading.RLock()
 
 
@@ -25,14 +27,8 @@ def multi_engine_initialize():
 
         def routed(*args, **kwargs):
             # deepspeed_multi.initialize calls deepspeed.initialize itself: give it the original.
-            deepspeed.initialize = original
-            try:
+            with compat.swapped(deepspeed, "initialize", original):
                 return multi_initialize(*args, **kwargs)
-            finally:
-                deepspeed.initialize = routed
 
-        deepspeed.initialize = routed
-        try:
+        with compat.swapped(deepspeed, "initialize", routed):
             yield
-        finally:
-            deepspeed.initialize = original

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from ..switches import BUILD_DIR
+from ..switches import value as _switch_value
+
 # The sources: inside the package for a regular install (setup.py copies them), else the
 # repository's csrc/ (editable install, as `make setup` does).
 CSRC = next((p for p in (Path(__file__).resolve().parents[1] / "csrc", Path(__file__).resolve().parents[2] / "csrc")
@@ -56,7 +59,7 @@ def extension_name(cuda: bool) -> str:
 
 def build_dir(cuda: bool) -> Path:
     """Where the build lives: ``$DSM_BUILD_DIR`` or ``~/.cache/deepspeed_multi/<torch>/<name>``."""
-    override = os.environ.get("DSM_BUILD_DIR")
+    override = _switch_value(BUILD_DIR)
     if override:
         return Path(override).expanduser()
     version = torch.__version__.replace("+", "_")

@@ -32,16 +32,16 @@ reference). The choice is made on first use, logged once per process, and report
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 from torch import Tensor
 
+from ..switches import FUSED_REDUCE_BACKEND as ENV
+from ..switches import value as _switch_value
 from . import builder, reference
 
 logger = logging.getLogger(__name__)
 
-ENV = "DSM_FUSED_REDUCE"
 MODES = ("auto", "ext", "ref")
 
 _impl = None
@@ -51,7 +51,7 @@ _backend: str | None = None
 def _select():
     """Pick the implementation according to $DSM_FUSED_REDUCE, log the choice once."""
     global _impl, _backend
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    mode = _switch_value(ENV, "auto").lower()
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r} is not a valid mode; expected one of {', '.join(MODES)}")
     if mode == "ref":

@@ -215,7 +215,7 @@ def hf_engine_features():
     """ModelOutput and labels= through engines; generate() on a ZeRO-3 engine equals the plain model's."""
     from transformers.utils import ModelOutput
 
-    from deepspeed_multi.hf_config import hf_deepspeed_config
+    from deepspeed_multi.integrations.hf_config import hf_deepspeed_config
     acc = _accelerator(llm=cfg(3))
     model = hm.causal_lm()          # the stage-3 plugin is selected: partitioned at construction
     assert hm.is_partitioned(model)

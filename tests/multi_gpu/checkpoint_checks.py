@@ -238,6 +238,23 @@ KILL_SET = [("enc", 2, 1, True), ("dec", 3, 1, True)]
 KILL_FIRST, KILL_TOTAL = 1, 3  # steps: the first complete save; the end, where the killed saves happen
 
 
+def _kill_at_phase(name):
+    """SIGKILL this rank when save_checkpoint logs reaching phase ``name`` (one of checkpoint.PHASES)."""
+    import logging
+    import signal
+    assert name in checkpoint.PHASES, name
+
+    class Kill(logging.Handler):
+
+        def emit(self, record):
+            if record.getMessage() == f"save_checkpoint phase: {name}":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    log = logging.getLogger(checkpoint.__name__)
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Kill())
+
+
 def kill_round(root, expect_tag, kill_at, next_tag):
     """One job of the kill test.
 
@@ -268,7 +285,7 @@ def kill_round(root, expect_tag, kill_at, next_tag):
         print(f"RESUMED {expect_tag} from step {start}: bit-identical", flush=True)
     if kill_at is None:
         return
-    checkpoint._test_kill_at = kill_at
+    _kill_at_phase(kill_at)
     print(f"SAVING {next_tag}", flush=True)
     deepspeed_multi.save_checkpoint(root, engines, client_state={"step": KILL_TOTAL}, tag=next_tag)
     raise AssertionError(f"kill point {kill_at!r} was never reached")

@@ -1,8 +1,8 @@
 """Run a test function in N real processes and fail fast (see [Note: no hangs] in
-deepspeed_multi/_launch.py, which this wraps for pytest)."""
+rank_launcher.py, which this wraps for pytest)."""
 import os
 
-from deepspeed_multi._launch import RanksFailed, run_ranks
+from rank_launcher import RanksFailed, run_ranks
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DSM_TEST_TIMEOUT", "240"))
 

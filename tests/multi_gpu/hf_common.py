@@ -148,7 +148,7 @@ def run_accelerate(loop: Loop, accelerator_cls):
 # ----------------------------------------------------------------------------- reference
 def run_reference(loop: Loop, initial):
     """Plain PyTorch on this process, starting from the engines' initial parameters."""
-    from deepspeed_multi.hf_config import hf_deepspeed_config
+    from deepspeed_multi.integrations.hf_config import hf_deepspeed_config
     world = loop.world_size
     models, opts, scheds, windows = {}, {}, {}, {}
     for name, member in loop.members.items():

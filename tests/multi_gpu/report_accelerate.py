@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import accelerate_checks as checks  # noqa: E402
-from deepspeed_multi._launch import run_ranks  # noqa: E402
+from rank_launcher import run_ranks  # noqa: E402
 from harness import _allow_fp16_on_cpu  # noqa: E402
 from report import print_table  # noqa: E402
 

@@ -6,7 +6,7 @@ import os
 import signal
 
 import checkpoint_checks as checks
-from deepspeed_multi._launch import run_ranks_to_exit
+from rank_launcher import run_ranks_to_exit
 from harness import run_distributed
 
 

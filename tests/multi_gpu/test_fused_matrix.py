@@ -1,7 +1,7 @@
 """The ZeRO-1/2/3 scenarios of the matrix again, with buckets large enough for the fused passes.
 
 The matrix's configs use 64-element buckets (to exercise bucketing), so most buckets hold one
-parameter and fused_zero falls back to DeepSpeed's method (nothing to fuse). Here the same
+parameter and the fused pass falls back to DeepSpeed's method (nothing to fuse). Here the same
 scenarios run with 4096-element buckets, where every bucket holds several parameters, and
 each rank asserts that the fused ops actually ran (unless DSM_FUSED_ZERO=0). The "fp32acc"
 variant adds ``data_types.grad_accum_dtype = fp32`` so that 16-bit ZeRO-2 goes through the
@@ -51,7 +51,7 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
 
     calls = dict.fromkeys(("pack", "pack_partitions", "unpack_accumulate"), 0)
     originals = {name: getattr(ops, name) for name in calls}
-    from deepspeed_multi import fused_zero
+    from deepspeed_multi.zero import stage12_reduce as fused_zero
     as_run = fused_zero._bucket_as_run
 
     def counting_in_place(*args):  # ZeRO-1/2: the bucket all-reduced where it lies

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import watchdog_checks as checks
-from deepspeed_multi._launch import run_ranks_to_exit
+from rank_launcher import run_ranks_to_exit
 
 TIMEOUT_S = 4.0
 SLACK_S = 10.0

@@ -21,6 +21,7 @@ import torch
 
 import deepspeed.comm as dist
 import deepspeed_multi
+from deepspeed_multi import compat
 from common import MLP, ds_config, full_params
 from harness import run_distributed
 
@@ -68,7 +69,7 @@ def _engine(cfg, by_norm, groups):
     with mock.patch.dict(os.environ, {"DSM_ZERO12_OVERFLOW_BY_NORM": "1" if by_norm else "0"}):
         engine, *_ = deepspeed_multi.initialize(model=model, optimizer=_optimizer(model, groups),
                                                 config=copy.deepcopy(cfg))
-    assert hasattr(engine.optimizer, "_dsm_zero12_overflow") == by_norm
+    assert compat.installed(engine.optimizer, "stage12_overflow") == by_norm
     flags = []
     original = engine.optimizer.has_overflow
 
@@ -125,7 +126,7 @@ def _check(name):
         assert _norm(by_norm) == _norm(by_flag), (
             f"{name} update {update}: global grad norm {_norm(by_norm)} (norm decides) vs {_norm(by_flag)}")
 
-    deferred = engines["norm"][0].optimizer._dsm_zero12_overflow["deferred"]
+    deferred = compat.state(engines["norm"][0].optimizer, "stage12_overflow")["deferred"]
     flags_norm, flags_flag = engines["norm"][1], engines["flag"][1]
     if zero_extra.get("compute_grad_norm", True):
         assert deferred == UPDATES and not flags_norm, (

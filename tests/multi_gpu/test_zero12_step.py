@@ -1,4 +1,4 @@
-"""ZeRO-1/2's update reads this rank's gradient partition as a view (zero12_step.py).
+"""ZeRO-1/2's update reads this rank's gradient partition as a view (zero/stage12_grad_view.py).
 
 Per config, three models train on the same global batch: a ZeRO-1/2 engine with the view, one
 with DeepSpeed's flatten (DSM_ZERO12_GRAD_VIEW=0 at construction), and plain PyTorch (AdamW,
@@ -24,6 +24,7 @@ import torch
 
 import deepspeed.comm as dist
 import deepspeed_multi
+from deepspeed_multi import compat
 from common import FP32_TOL, MLP, ds_config, full_params, record_found
 from harness import run_distributed
 
@@ -87,7 +88,7 @@ def _engine(model, cfg, view, groups, unused):
     with mock.patch.dict(os.environ, {"DSM_ZERO12_GRAD_VIEW": "1" if view else "0"}):
         engine, *_ = deepspeed_multi.initialize(model=model, optimizer=_optimizer(model, groups, unused),
                                                 config=copy.deepcopy(cfg))
-    assert hasattr(engine.optimizer, "_dsm_zero12_step") == view
+    assert compat.installed(engine.optimizer, "stage12_grad_view") == view
     return engine
 
 
@@ -103,7 +104,7 @@ def _expected(options, rank, world):
 
 
 def _check(name):
-    from deepspeed_multi import zero12_step
+    from deepspeed_multi.zero import stage12_grad_view as zero12_step
     stage, dtype, clip, gas, model_kwargs, zero_extra, options = CONFIGS[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ds_config(stage, dtype, gas=gas, gradient_clipping=clip, zero_optimization=zero_extra)

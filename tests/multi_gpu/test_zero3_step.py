@@ -1,4 +1,4 @@
-"""ZeRO-3's update reads its fp32 gradient as a view of the partition buffer (zero3_step.py).
+"""ZeRO-3's update reads its fp32 gradient as a view of the partition buffer (zero/stage3_grad_view.py).
 
 Per config, three models train on the same global batch: a ZeRO-3 engine with the view, one
 with DeepSpeed's flattened copy (DSM_ZERO3_GRAD_VIEW=0 at construction), and plain PyTorch
@@ -18,6 +18,7 @@ import torch
 
 import deepspeed.comm as dist
 import deepspeed_multi
+from deepspeed_multi import compat
 from common import FP32_TOL, MLP, ds_config, full_params, record_found
 from harness import run_distributed
 
@@ -50,12 +51,12 @@ def _engine(model, cfg, view):
     with mock.patch.dict(os.environ, {"DSM_ZERO3_GRAD_VIEW": "1" if view else "0"}):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02)
         engine, *_ = deepspeed_multi.initialize(model=model, optimizer=opt, config=copy.deepcopy(cfg))
-    assert hasattr(engine.optimizer, "_dsm_zero3_step") == view
+    assert compat.installed(engine.optimizer, "stage3_grad_view") == view
     return engine
 
 
 def _check(name):
-    from deepspeed_multi import zero3_step
+    from deepspeed_multi.zero import stage3_grad_view as zero3_step
     dtype, clip, gas, sub_group_size, frozen, fp32_accum = CONFIGS[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ds_config(3, dtype, gas=gas, gradient_clipping=clip, zero_optimization={"sub_group_size": sub_group_size})

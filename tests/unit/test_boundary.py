@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from deepspeed_multi._boundary import wrap_inputs, wrap_outputs
+from deepspeed_multi.autograd.boundary import wrap_inputs, wrap_outputs
 from deepspeed_multi.engine import _ForwardRecord
 
 

@@ -1,4 +1,4 @@
-"""misuse.check_dp_groups on fake engines: one backward through trainable engines on different
+"""dp_groups.check_dp_groups on fake engines: one backward through trainable engines on different
 data-parallel groups is refused before any engine's backward starts, unless all opted in; the
 check costs nothing while every engine is on one group and scans once per backward pass."""
 import gc
@@ -7,8 +7,8 @@ import weakref
 import pytest
 import torch
 
-from deepspeed_multi import misuse
-from deepspeed_multi._boundary import wrap_inputs, wrap_outputs
+from deepspeed_multi.reliability import dp_groups
+from deepspeed_multi.autograd.boundary import wrap_inputs, wrap_outputs
 from deepspeed_multi.config import MultiOptions
 from deepspeed_multi.engine import _ForwardRecord
 
@@ -42,21 +42,21 @@ class Engine:
 
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch):
-    monkeypatch.setattr(misuse._DpGroups, "engines", weakref.WeakValueDictionary())
-    monkeypatch.setattr(misuse._DpGroups, "mixed", False)
-    monkeypatch.setattr(misuse._DpGroups, "checked_task", None)
-    monkeypatch.setattr(misuse._DpGroups, "verified", set())
-    monkeypatch.setattr(misuse, "_dp_group_ranks", lambda e: tuple(e.seq_data_parallel_group))
+    monkeypatch.setattr(dp_groups._DpGroups, "engines", weakref.WeakValueDictionary())
+    monkeypatch.setattr(dp_groups._DpGroups, "mixed", False)
+    monkeypatch.setattr(dp_groups._DpGroups, "checked_task", None)
+    monkeypatch.setattr(dp_groups._DpGroups, "verified", set())
+    monkeypatch.setattr(dp_groups, "_dp_group_ranks", lambda e: tuple(e.seq_data_parallel_group))
     scans = []
-    real = misuse._any_param_in_current_graph
-    monkeypatch.setattr(misuse, "_any_param_in_current_graph", lambda params: scans.append(1) or real(params))
+    real = dp_groups.graph.any_param_in_current_graph
+    monkeypatch.setattr(dp_groups.graph, "any_param_in_current_graph", lambda params: scans.append(1) or real(params))
     return scans
 
 
 def _engines(*specs):
     engines = [Engine(*spec) for spec in specs]
     for e in engines:
-        misuse.register_dp_group(e)
+        dp_groups.register_dp_group(e)
     return engines
 
 
@@ -73,7 +73,7 @@ def test_refused_before_any_engine_starts():
 def test_all_opted_in_is_not_checked(fresh_registry):
     a, b = _engines(("Enc", (0, 1), True), ("Dec", (0, ), True))
     b(a(torch.randn(3))).sum().backward()
-    assert not misuse._DpGroups.mixed and fresh_registry == [] and a.prologues == b.prologues == 1
+    assert not dp_groups._DpGroups.mixed and fresh_registry == [] and a.prologues == b.prologues == 1
 
 
 def test_one_opted_out_is_refused_naming_it():
@@ -85,7 +85,7 @@ def test_one_opted_out_is_refused_naming_it():
 def test_one_group_costs_nothing(fresh_registry):
     a, b = _engines(("Enc", (0, 1)), ("Dec", (0, 1)))
     b(a(torch.randn(3))).sum().backward()
-    assert not misuse._DpGroups.mixed and fresh_registry == [] and a.prologues == b.prologues == 1
+    assert not dp_groups._DpGroups.mixed and fresh_registry == [] and a.prologues == b.prologues == 1
 
 
 def test_a_loss_per_group_is_fine_and_scanned_once_per_pass(fresh_registry):
@@ -98,4 +98,4 @@ def test_a_loss_per_group_is_fine_and_scanned_once_per_pass(fresh_registry):
     del b  # the engines left are on one group again: nothing is scanned
     gc.collect()
     a(x).sum().backward()
-    assert len(fresh_registry) == 4 and not misuse._DpGroups.mixed
+    assert len(fresh_registry) == 4 and not dp_groups._DpGroups.mixed

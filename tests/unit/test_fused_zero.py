@@ -1,4 +1,4 @@
-"""fused_zero.install: which optimizers it changes, the consecutive-view detection, and the fused
+"""zero.install_fused: which optimizers it changes, the consecutive-view detection, and the fused
 ZeRO-3/ZeRO-2 passes against DeepSpeed's own methods (single process, no distributed init).
 
 The optimizers are built with ``object.__new__`` and only the attributes the methods read, so
@@ -13,8 +13,9 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from deepspeed_multi import fused_zero
-from deepspeed_multi.fused_zero import consecutive_runs, flat_run
+from deepspeed_multi import compat, switches
+from deepspeed_multi.zero import install_fused, stage3_partition, stage12_reduce
+from deepspeed_multi.zero.runs import consecutive_runs, flat_run
 
 Z3_BUFFERS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -24,7 +25,11 @@ needs_sync_device = pytest.mark.skipif(not get_accelerator().is_synchronized_dev
 
 @pytest.fixture(autouse=True)
 def _fused_on(monkeypatch):
-    monkeypatch.delenv(fused_zero.ENV, raising=False)
+    monkeypatch.delenv(switches.FUSED_ZERO, raising=False)
+
+
+def install(opt) -> bool:
+    return any(install_fused(opt).values())
 
 
 # ------------------------------------------------------------------------------ fake optimizers
@@ -92,19 +97,19 @@ def run_partition_grads(opt, params, parts, bufs, micro_step_id, method):
 # ------------------------------------------------------------------------------------- install
 def test_install_z3_binds_partition_grads_only():
     opt = fake_z3()
-    assert fused_zero.install(opt) is True
+    assert install(opt) is True
     assert isinstance(opt.partition_grads, types.MethodType)
-    assert opt.partition_grads.__func__ is fused_zero._z3_partition_grads
-    assert set(vars(opt)) >= {"partition_grads", "_dsm_fused_zero"}
+    assert opt.partition_grads.__func__ is stage3_partition.partition_grads
+    assert "partition_grads" in vars(opt) and compat.installed(opt, stage3_partition.FEATURE)
     assert "allreduce_and_copy_with_multiple_ranks" not in vars(opt)
-    assert fused_zero.install(opt) is False  # idempotent: a second call changes nothing
+    assert install(opt) is False  # idempotent: a second call changes nothing
 
 
 @pytest.mark.parametrize("partition_gradients", [True, False], ids=["stage2", "stage1"])
 def test_install_z12_binds_allreduce_and_copy_only(partition_gradients):
     opt = fake_z2(partition_gradients=partition_gradients)
-    assert fused_zero.install(opt) is True
-    assert opt.allreduce_and_copy_with_multiple_ranks.__func__ is fused_zero._z2_allreduce_and_copy_with_multiple_ranks
+    assert install(opt) is True
+    assert opt.allreduce_and_copy_with_multiple_ranks.__func__ is stage12_reduce.allreduce_and_copy_with_multiple_ranks
     assert "partition_grads" not in vars(opt)
 
 
@@ -120,7 +125,7 @@ def test_install_z12_binds_allreduce_and_copy_only(partition_gradients):
 def test_install_refuses_unsupported(make):
     opt = make()
     before = dict(vars(opt)) if hasattr(opt, "__dict__") else None
-    assert fused_zero.install(opt) is False
+    assert install(opt) is False
     if before is not None:
         assert dict(vars(opt)) == before
 
@@ -134,14 +139,14 @@ def test_install_refuses_subclass_override():
 
     opt = object.__new__(Custom)
     vars(opt).update(vars(fake_z3()))
-    assert fused_zero.install(opt) is False
+    assert install(opt) is False
     assert "partition_grads" not in vars(opt)
 
 
 def test_env_switch_disables(monkeypatch):
-    monkeypatch.setenv(fused_zero.ENV, "0")
+    monkeypatch.setenv(switches.FUSED_ZERO, "0")
     opt = fake_z3()
-    assert fused_zero.install(opt) is False
+    assert install(opt) is False
     assert "partition_grads" not in vars(opt)
 
 
@@ -187,9 +192,9 @@ def test_z3_partition_grads_matches_original(world, rank, dtype, buf_dtype):
     init = {p.ds_id: torch.randn(p.partition_numel(), generator=gen).to(buf_dtype) for p in params}
 
     fused = fake_z3()
-    assert fused_zero.install(fused)
+    assert install(fused)
     fell_back = []
-    fused._dsm_fused_zero["partition_grads"] = lambda *a: fell_back.append(a)  # must not be reached
+    compat.set_original(fused, "partition_grads", lambda *a: fell_back.append(a))  # must not be reached
     plain = fake_z3()
     for step in (0, 1, 2):
         bufs_f = {k: v.clone() for k, v in init.items()}
@@ -214,10 +219,10 @@ def test_z3_falls_back_for_separate_partitions():
     params, _ = z3_case([4, 6, 8], 2, 0)
     parts = [torch.randn(p.partition_numel()) for p in params]  # separate tensors: no run to fuse
     opt = fake_z3()
-    assert fused_zero.install(opt)
+    assert install(opt)
     calls = []
-    original = opt._dsm_fused_zero["partition_grads"]
-    opt._dsm_fused_zero["partition_grads"] = lambda *a: calls.append(a) or original(*a)
+    original = compat.original(opt, "partition_grads")
+    compat.set_original(opt, "partition_grads", lambda *a: calls.append(a) or original(*a))
     bufs = {p.ds_id: torch.zeros(p.partition_numel()) for p in params}
     run_partition_grads(opt, params, parts, bufs, 0, opt.partition_grads)
     assert len(calls) == 1
@@ -253,7 +258,7 @@ def test_z2_allreduce_and_copy_matches_original(monkeypatch, with_outputs):
         return bucket_buf, flat_part
 
     def fused(opt):
-        assert fused_zero.install(opt)
+        assert install(opt)
         return opt.allreduce_and_copy_with_multiple_ranks
 
     got = run(fused)
@@ -298,7 +303,7 @@ def test_z12_bucket_of_one_run_is_reduced_in_place(monkeypatch, with_outputs):
         return bucket_buf, flat_part, flattened
 
     def fused(opt):
-        assert fused_zero.install(opt)
+        assert install(opt)
         return opt.allreduce_and_copy_with_multiple_ranks
 
     for divide in (False, True):

@@ -15,7 +15,7 @@ def test_blocks_set_and_restore_the_global_config():
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import deepspeed_multi
-    from deepspeed_multi.hf_config import hf_deepspeed_config
+    from deepspeed_multi.integrations.hf_config import hf_deepspeed_config
     try:
         outer = HfDeepSpeedConfig(_cfg(3))      # e.g. a selected stage-3 Accelerate plugin
         with deepspeed_multi.zero_init(_cfg(2)):

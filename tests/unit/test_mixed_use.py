@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepspeed_multi._boundary import wrap_inputs, wrap_outputs
-from deepspeed_multi._outside_use import MixedUseCheck
+from deepspeed_multi.autograd.boundary import wrap_inputs, wrap_outputs
+from deepspeed_multi.autograd.outside_use import MixedUseCheck
 from deepspeed_multi.engine import _ForwardRecord
 
 

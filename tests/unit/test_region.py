@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from deepspeed_multi._region import Region
+from deepspeed_multi.autograd.region import Region
 
 
 class _Engine:

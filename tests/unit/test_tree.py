@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepspeed_multi._tree import tree_map, tree_tensors
+from deepspeed_multi.autograd.tree import tree_map, tree_tensors
 
 NT = namedtuple("NT", ["a", "b"])
 

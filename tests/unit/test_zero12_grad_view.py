@@ -15,8 +15,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepspeed_multi import zero12_step
-from deepspeed_multi.fused_zero import run_view
+from deepspeed_multi.zero import stage12_grad_view as zero12_step
+from deepspeed_multi.zero.runs import run_view
 
 
 def _fake(group_sizes, cpu_offload=False, contiguous=True):

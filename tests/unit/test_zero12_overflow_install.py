@@ -1,4 +1,4 @@
-"""zero12_overflow: where the norm is let decide overflow, and that only step()'s own check defers.
+"""stage12_overflow: where the norm is let decide overflow, and that only step()'s own check defers.
 
 Single process, on fake ZeRO-1/2 optimizers built with ``object.__new__``. The decisions
 themselves, against DeepSpeed's flag and plain PyTorch on 2 ranks, are
@@ -11,7 +11,8 @@ import pytest
 import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from deepspeed_multi import zero12_overflow
+from deepspeed_multi import compat
+from deepspeed_multi.zero import stage12_overflow as zero12_overflow
 
 
 def _fake(**overrides):
@@ -52,7 +53,7 @@ def _run_step(opt):
         opt.check_overflow(partition_gradients=True)
         seen.append(opt.overflow)
 
-    opt._dsm_zero12_overflow["step"] = step
+    compat.set_original(opt, "step", step)
     opt.step()
     return seen[0]
 
@@ -63,10 +64,10 @@ def test_step_defers_to_the_norm_and_other_callers_get_deepspeeds_flag():
     calls = []
     _flagging(opt, calls)
     assert _run_step(opt) is False and calls == []  # the norm, computed next in step(), decides
-    assert opt._dsm_zero12_overflow["deferred"] == 1
+    assert compat.state(opt, zero12_overflow.FEATURE)["deferred"] == 1
     opt.check_overflow()  # outside step(): DeepSpeed's check, with its collective
     assert opt.overflow is True and calls == [True]
-    assert not opt._dsm_zero12_overflow["in_step"]
+    assert not compat.state(opt, zero12_overflow.FEATURE)["in_step"]
 
 
 @pytest.mark.parametrize("attr,value", [("compute_grad_norm", False), ("check_grad_overflow", False),
@@ -78,7 +79,7 @@ def test_flag_decides_where_the_norm_does_not_settle_it(attr, value):
     calls = []
     _flagging(opt, calls)
     assert _run_step(opt) is True and calls == [True]
-    assert opt._dsm_zero12_overflow["deferred"] == 0
+    assert compat.state(opt, zero12_overflow.FEATURE)["deferred"] == 0
 
 
 def test_step_leaves_in_step_cleared_when_it_raises():
@@ -88,10 +89,10 @@ def test_step_leaves_in_step_cleared_when_it_raises():
     def step(*args, **kwargs):
         raise RuntimeError("boom")
 
-    opt._dsm_zero12_overflow["step"] = step
+    compat.set_original(opt, "step", step)
     with pytest.raises(RuntimeError, match="boom"):
         opt.step()
-    assert not opt._dsm_zero12_overflow["in_step"]
+    assert not compat.state(opt, zero12_overflow.FEATURE)["in_step"]
 
 
 class _OwnFlag(DeepSpeedZeroOptimizer):
@@ -128,7 +129,7 @@ def test_not_installed_where_the_containment_is_not_known_to_hold(case):
             assert not zero12_overflow.install(opt)
     else:
         assert not _install(opt)
-    assert not hasattr(opt, "_dsm_zero12_overflow")
+    assert not compat.installed(opt, zero12_overflow.FEATURE)
     assert "step" not in vars(opt) and "check_overflow" not in vars(opt)
 
 

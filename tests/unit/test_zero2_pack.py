@@ -12,7 +12,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, IPGBuck
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepspeed_multi import zero2_pack
+from deepspeed_multi import compat
+from deepspeed_multi.zero import stage12_bucket_pack as zero2_pack
 
 
 class FakeParam(torch.nn.Parameter):
@@ -52,7 +53,7 @@ def run(opt, params, grads, deferred):
         p.param_idx_in_group = i
     if deferred:
         assert zero2_pack.install(opt)
-        opt._dsm_zero2_pack["reduce_ipg_grads"] = record_flushes(opt, flushes)
+        compat.set_original(opt, "reduce_ipg_grads", record_flushes(opt, flushes))
     else:
         opt.reduce_ipg_grads = record_flushes(opt, flushes)
     for p, g in zip(params, grads):
@@ -93,7 +94,7 @@ def test_deferred_pack_matches_deepspeed(sizes, bucket, overlap, dtypes, seed, s
         assert torch.equal(a.grad, b.grad) or (a.grad.isnan().any() and torch.equal(a.grad.isnan(), b.grad.isnan()))
         # Where DeepSpeed points the gradient into the bucket, the deferred path does too.
         assert in_bucket(b, opt) == in_bucket(a, opt_want)
-    assert not opt._dsm_zero2_pack["pending"]
+    assert not compat.state(opt, zero2_pack.FEATURE)["pending"]
 
 
 def test_install_refuses_what_it_does_not_cover():
@@ -123,4 +124,4 @@ def test_install_is_idempotent(twice):
     assert zero2_pack.install(opt) is True
     if twice:
         assert zero2_pack.install(opt) is False
-    assert opt.reduce_ipg_grads.__func__ is zero2_pack._reduce_ipg_grads
+    assert opt.reduce_ipg_grads.__func__ is zero2_pack.reduce_ipg_grads

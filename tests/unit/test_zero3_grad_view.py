@@ -12,8 +12,9 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepspeed_multi import zero3_step
-from deepspeed_multi.zero3_step import one_view
+from deepspeed_multi import compat
+from deepspeed_multi.zero import stage3_grad_view as zero3_step
+from deepspeed_multi.zero.stage3_grad_view import one_view
 
 
 def _views(buffer, sizes, gaps):
@@ -98,7 +99,7 @@ def test_update_gets_the_view_or_deepspeeds_copy(monkeypatch):
     assert zero3_step.install(opt) is False  # an instance attribute is an override: left alone
     del opt._prepare_fp32_grad_for_sub_group
     assert zero3_step.install(opt)
-    opt._dsm_zero3_step["original"] = lambda i: calls.append(i)
+    compat.set_original(opt, "_prepare_fp32_grad_for_sub_group", lambda i: calls.append(i))
     buffer = torch.arange(10, dtype=torch.float32)
     opt.fp32_partitioned_groups_flat = [torch.zeros(6), torch.zeros(4)]
     opt.averaged_gradients = {0: [buffer.narrow(0, 0, 2), buffer.narrow(0, 2, 4)], 1: [buffer.narrow(0, 6, 4)]}

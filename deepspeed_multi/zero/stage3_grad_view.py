@@ -8,8 +8,7 @@ offload those partitions are consecutive views of one buffer, ``grad_partitions_
 (DeepSpeed lays it out in sub-group order), so the copy holds exactly what the buffer holds: one
 more partition-sized fp32 tensor during the update and one pass over it per update; on CPU a
 fresh tensor larger than glibc's mmap threshold (32 MiB at most) is page-faulted in on every
-update (benchmarks/zero3_grad_view.py, 25.7M parameters on 2 ranks: ``step()`` 126 ms with the
-view against 157 ms with the copy). :func:`prepare_fp32_grad` hands the optimizer one view of
+update (measured in benchmarks/zero3_grad_view.py; figures in benchmarks/PERFORMANCE.md). :func:`prepare_fp32_grad` hands the optimizer one view of
 the buffer instead when the partitions are one run of the master's dtype, and calls DeepSpeed's
 method otherwise (a 16-bit gradient buffer, which the master's fp32 needs converted; a list
 with a tensor outside the buffer; a layout some DeepSpeed version changes).
@@ -19,24 +18,24 @@ copy and against plain PyTorch in tests/multi_gpu/test_zero3_step.py; every fp32
 the matrix and of the fuzzer runs through it). What changes is that the update's in-place work
 on ``.grad`` (the unscale and clip, ``DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads``)
 now lands in the buffer instead of in the copy. Nothing reads the buffer between the update and
-the next window's zeroing (``zero_buffers.start_window``, right after every update; the test
+the next window's zeroing (``buffers.start_window``, right after every update; the test
 asserts the buffer is zero then), so no reader can tell.
 
 ``DSM_ZERO3_GRAD_VIEW=0`` keeps DeepSpeed's copy (for A/B benchmarks).
 """
 from __future__ import annotations
 
-import os
-import types
 from typing import Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .fused_zero import is_exact_method, run_view
+from .. import compat
+from ..switches import ZERO3_GRAD_VIEW as ENV
+from ..switches import switch_on
+from .runs import run_view
 
-ENV = "DSM_ZERO3_GRAD_VIEW"
-_ATTR = "_dsm_zero3_step"
+FEATURE = "stage3_grad_view"
 _METHOD = "_prepare_fp32_grad_for_sub_group"
 
 
@@ -53,7 +52,7 @@ def prepare_fp32_grad(self, sub_group_id):
     master = self.fp32_partitioned_groups_flat[sub_group_id]
     view = one_view(self.averaged_gradients[sub_group_id], master)
     if view is None:
-        return self._dsm_zero3_step["original"](sub_group_id)
+        return compat.original(self, _METHOD)(sub_group_id)
     master.grad = view
     accelerator = get_accelerator()
     if not accelerator.is_synchronized_device() and accelerator.on_accelerator(view):
@@ -64,12 +63,10 @@ def prepare_fp32_grad(self, sub_group_id):
 def install(optimizer) -> bool:
     """Give ``optimizer``'s update a view of the gradient buffer; return whether it did."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    if os.environ.get(ENV, "1").strip() == "0" or getattr(optimizer, _ATTR, None) is not None:
+    if not switch_on(ENV):
         return False
     if (not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) or getattr(optimizer, "offload_optimizer", True)
-            or not is_exact_method(optimizer, DeepSpeedZeroOptimizer_Stage3, _METHOD)
-            or not hasattr(optimizer, "fp32_partitioned_groups_flat")):
+            or not hasattr(optimizer, "fp32_partitioned_groups_flat") or not compat.fast_path_exact(optimizer, FEATURE)):
         return False
-    optimizer._dsm_zero3_step = {"original": getattr(optimizer, _METHOD)}
-    setattr(optimizer, _METHOD, types.MethodType(prepare_fp32_grad, optimizer))
+    compat.replace_method(optimizer, _METHOD, prepare_fp32_grad, FEATURE)
     return True

@@ -47,17 +47,18 @@ no flag at all: the norm's all-reduce decides overflow (zero12_overflow.py); thi
 """
 from __future__ import annotations
 
-import os
-import types
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .fused_zero import is_exact_method, one_run, run_view
+from .. import compat
+from ..switches import ZERO12_GRAD_VIEW as ENV
+from ..switches import switch_on
+from .runs import one_run, run_view
 
-ENV = "DSM_ZERO12_GRAD_VIEW"
-_ATTR = "_dsm_zero12_step"
+FEATURE = "stage12_grad_view"
+OVERFLOW_FEATURE = "stage12_overflow_view"
 _COPY = "copy_grads_in_partition"
 _PREFLATTENED = "_get_preflattened_grad_partition"
 _OVERFLOW = "has_overflow_partitioned_grads_serial"
@@ -76,22 +77,22 @@ def partition_slots(optimizer) -> Tuple[Dict[int, int], int]:
 
 def copy_in_partition_order(self, param, group_idx=None):
     """Replacement for ``copy_grads_in_partition`` (bound to a ZeRO-1/2 optimizer)."""
-    state = self._dsm_zero12_step
+    state = compat.state(self, FEATURE)
     slot = state["slots"].get(self.get_param_id(param))
     if group_idx is None:
         group_idx = self._get_param_group_idx(param)
     if slot is None or self.cpu_offload or self._use_compact_grad_partition_buffer(group_idx):
-        return state["copy"](param, group_idx)  # paths that do not use grads_in_partition
+        return compat.original(self, _COPY)(param, group_idx)  # paths that do not use grads_in_partition
     if self.grads_in_partition is None:  # sized as DeepSpeed sizes it
         self.grads_in_partition = torch.empty(state["numel"], dtype=self.dtype,
                                               device=get_accelerator().current_device_name())
     self.grads_in_partition_offset = slot
-    state["copy"](param, group_idx)
+    compat.original(self, _COPY)(param, group_idx)
 
 
 def preflattened_partition(self, group_idx):
     """Replacement for ``_get_preflattened_grad_partition`` (bound to a ZeRO-1/2 optimizer)."""
-    flat = self._dsm_zero12_step["preflattened"](group_idx)
+    flat = compat.original(self, _PREFLATTENED)(group_idx)
     if flat is not None:
         return flat
     grads = self.averaged_gradients.get(group_idx)
@@ -128,7 +129,7 @@ def partition_has_overflow(self):
     DeepSpeed's per-tensor test (``_has_inf_or_nan``, counted into one flag) on each group's run."""
     views = partition_views(self)
     if views is None:
-        return self._dsm_zero12_step["overflow"]()
+        return compat.original(self, _OVERFLOW)()
     invalid_grad_count = torch.zeros([1], dtype=torch.float, device=get_accelerator().current_device_name())
     for view in views:
         invalid_grad_count += self._has_inf_or_nan(view)
@@ -138,22 +139,15 @@ def partition_has_overflow(self):
 def install(optimizer) -> bool:
     """Give ``optimizer``'s update a view of its gradient partition; return whether it did."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    if os.environ.get(ENV, "1").strip() == "0" or getattr(optimizer, _ATTR, None) is not None:
+    if not switch_on(ENV):
         return False
     if (not isinstance(optimizer, DeepSpeedZeroOptimizer) or getattr(optimizer, "cpu_offload", True)
-            or not getattr(optimizer, "contiguous_gradients", False)
-            or not all(is_exact_method(optimizer, DeepSpeedZeroOptimizer, m) for m in (_COPY, _PREFLATTENED))):
+            or not getattr(optimizer, "contiguous_gradients", False) or not compat.fast_path_exact(optimizer, FEATURE)):
         return False
     slots, numel = partition_slots(optimizer)
-    optimizer._dsm_zero12_step = {
-        "slots": slots,
-        "numel": int(numel),
-        "copy": getattr(optimizer, _COPY),
-        "preflattened": getattr(optimizer, _PREFLATTENED),
-        "overflow": getattr(optimizer, _OVERFLOW),
-    }
-    setattr(optimizer, _COPY, types.MethodType(copy_in_partition_order, optimizer))
-    setattr(optimizer, _PREFLATTENED, types.MethodType(preflattened_partition, optimizer))
-    if all(is_exact_method(optimizer, DeepSpeedZeroOptimizer, m) for m in (_OVERFLOW, "_has_inf_or_nan")):
-        setattr(optimizer, _OVERFLOW, types.MethodType(partition_has_overflow, optimizer))
+    compat.state(optimizer, FEATURE, {"slots": slots, "numel": int(numel)})
+    compat.replace_method(optimizer, _COPY, copy_in_partition_order, FEATURE)
+    compat.replace_method(optimizer, _PREFLATTENED, preflattened_partition, FEATURE)
+    if compat.fast_path_exact(optimizer, OVERFLOW_FEATURE):
+        compat.replace_method(optimizer, _OVERFLOW, partition_has_overflow, OVERFLOW_FEATURE)
     return True

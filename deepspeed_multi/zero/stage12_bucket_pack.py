@@ -25,11 +25,9 @@ recorded as the bucket's producer, as DeepSpeed records each copy's.
 """
 from __future__ import annotations
 
-import types
+from .. import compat, ops
 
-from . import ops
-
-_ATTR = "_dsm_zero2_pack"
+FEATURE = "stage12_bucket_pack"
 
 
 class _Pending:
@@ -43,7 +41,7 @@ class _Pending:
 
 def pack_pending(optimizer) -> None:
     """Copy every reserved gradient into its bucket slice (one pack per bucket buffer)."""
-    state = optimizer._dsm_zero2_pack
+    state = compat.state(optimizer, FEATURE)
     pending = state["pending"]
     if not pending:
         return
@@ -62,12 +60,11 @@ def pack_pending(optimizer) -> None:
 def drop_pending(optimizer) -> None:
     """Forget reserved slices that will never be packed (a backward that raised part way).
 
-    Their buckets are cleared by :func:`deepspeed_multi.zero_buffers.abort_backward`; a reservation
+    Their buckets are cleared by :func:`deepspeed_multi.zero.buffers.abort_backward`; a reservation
     kept past that would pack a dead gradient at a stale offset in the next backward.
     """
-    state = getattr(optimizer, _ATTR, None)
-    if state is not None:
-        state["pending"] = {}
+    if compat.installed(optimizer, FEATURE):
+        compat.state(optimizer, FEATURE)["pending"] = {}
 
 
 def reserve(self, param, i):
@@ -75,11 +72,11 @@ def reserve(self, param, i):
     numel = param.numel()
     if numel == 0:
         return
-    state = self._dsm_zero2_pack
+    state = compat.state(self, FEATURE)
     grad = self.get_gradient_for_reduction(param)
     if numel > self.reduce_bucket_size or grad is None or not getattr(param, "ds_grad_is_ready", True):
         pack_pending(self)
-        return state["original"](param, i)
+        return compat.original(self, "reduce_independent_p_g_buckets_and_remove_grads")(param, i)
     comm_dtype = self.get_param_comm_dtype(param)
     bucket = self.ipg_buckets[comm_dtype]
     if bucket.elements + numel > self.reduce_bucket_size:
@@ -102,12 +99,13 @@ def reserve(self, param, i):
         bucket.has_moe_params = True
 
 
-def _reduce_ipg_grads(self, *args, **kwargs):
+def reduce_ipg_grads(self, *args, **kwargs):
+    """Replacement of ``reduce_ipg_grads``: pack what is reserved, then DeepSpeed's flush."""
     pack_pending(self)
-    state = self._dsm_zero2_pack
+    state = compat.state(self, FEATURE)
     if state["before_reduction"] is not None:
         state["before_reduction"]()
-    return state["reduce_ipg_grads"](*args, **kwargs)
+    return compat.original(self, "reduce_ipg_grads")(*args, **kwargs)
 
 
 def run_before_reduction(optimizer, fn) -> bool:
@@ -116,10 +114,9 @@ def run_before_reduction(optimizer, fn) -> bool:
     The engine's rank-agreement wait goes here, so that the rank-local pass before it (DeepSpeed's
     per-parameter loop and the pack) hides its latency (see rank_agreement.py).
     """
-    state = getattr(optimizer, _ATTR, None)
-    if state is None:
+    if not compat.installed(optimizer, FEATURE):
         return False
-    state["before_reduction"] = fn
+    compat.state(optimizer, FEATURE)["before_reduction"] = fn
     return True
 
 
@@ -127,27 +124,23 @@ def applies(optimizer) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         return False
-    exact = all(name not in vars(optimizer) and getattr(type(optimizer), name) is getattr(DeepSpeedZeroOptimizer, name)
-                for name in ("reduce_independent_p_g_buckets_and_remove_grads", "reduce_ipg_grads"))
-    return (exact and getattr(optimizer, "contiguous_gradients", False) and not getattr(optimizer, "cpu_offload", True)
+    return (compat.fast_path_exact(optimizer, FEATURE) and getattr(optimizer, "contiguous_gradients", False) and not getattr(optimizer, "cpu_offload", True)
             and not getattr(optimizer, "zenflow", False) and getattr(optimizer, "autoep_folding_tp_group", None) is None
             and not getattr(optimizer, "_offload_gradient_safety_enabled", True) and hasattr(optimizer, "ipg_buckets"))
 
 
 def install(optimizer) -> bool:
     """Defer ``optimizer``'s per-parameter bucket copies to one pack per flush; return whether it did."""
-    if getattr(optimizer, _ATTR, None) is not None or not applies(optimizer):
+    if not applies(optimizer):
         return False
     from deepspeed.accelerator import get_accelerator
     from deepspeed.moe.utils import is_moe_param
-    optimizer._dsm_zero2_pack = {
+    compat.state(optimizer, FEATURE, {
         "pending": {},
-        "original": optimizer.reduce_independent_p_g_buckets_and_remove_grads,
-        "reduce_ipg_grads": optimizer.reduce_ipg_grads,
         "record_stream": optimizer.overlap_comm and not get_accelerator().resolves_data_dependency(),
         "is_moe": is_moe_param,
         "before_reduction": None,
-    }
-    optimizer.reduce_independent_p_g_buckets_and_remove_grads = types.MethodType(reserve, optimizer)
-    optimizer.reduce_ipg_grads = types.MethodType(_reduce_ipg_grads, optimizer)
+    })
+    compat.replace_method(optimizer, "reduce_independent_p_g_buckets_and_remove_grads", reserve, FEATURE)
+    compat.replace_method(optimizer, "reduce_ipg_grads", reduce_ipg_grads, FEATURE)
     return True

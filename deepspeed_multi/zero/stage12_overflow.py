@@ -32,14 +32,11 @@ DeepSpeed's. ``DSM_ZERO12_OVERFLOW_BY_NORM=0`` keeps both collectives (for A/B b
 """
 from __future__ import annotations
 
-import os
-import types
+from .. import compat
+from ..switches import ZERO12_OVERFLOW_BY_NORM as ENV
+from ..switches import switch_on
 
-from .fused_zero import is_exact_method
-
-ENV = "DSM_ZERO12_OVERFLOW_BY_NORM"
-_ATTR = "_dsm_zero12_overflow"
-_EXACT = ("step", "check_overflow", "_check_overflow", "has_overflow", "scaled_global_norm", "get_grad_norm_direct")
+FEATURE = "stage12_overflow"
 
 
 def norm_decides(optimizer) -> bool:
@@ -50,22 +47,22 @@ def norm_decides(optimizer) -> bool:
 
 def step_marking_norm_decides(self, *args, **kwargs):
     """Replacement for ``step``: DeepSpeed's, with :func:`check_overflow_by_norm` answering its check."""
-    state = self._dsm_zero12_overflow
+    state = compat.state(self, FEATURE)
     state["in_step"] = True
     try:
-        return state["step"](*args, **kwargs)
+        return compat.original(self, "step")(*args, **kwargs)
     finally:
         state["in_step"] = False
 
 
 def check_overflow_by_norm(self, partition_gradients=True):
     """Replacement for ``check_overflow``: inside step(), where the norm decides, no collective."""
-    state = self._dsm_zero12_overflow
+    state = compat.state(self, FEATURE)
     if state["in_step"] and norm_decides(self):
         self.overflow = False  # step() sets it from the norm (see the Note above)
         state["deferred"] += 1
         return
-    state["check_overflow"](partition_gradients)
+    compat.original(self, "check_overflow")(partition_gradients)
 
 
 def applies(optimizer) -> bool:
@@ -73,22 +70,18 @@ def applies(optimizer) -> bool:
     from deepspeed.comm import pg_utils
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         return False
-    if not all(is_exact_method(optimizer, DeepSpeedZeroOptimizer, name) for name in _EXACT):
-        return False
     params = (p for group in optimizer.bit16_groups for p in group)
     return (not getattr(optimizer, "cpu_offload", True) and not getattr(optimizer, "has_moe_layers", True)
             and not pg_utils.is_parallel(getattr(optimizer, "model_parallel_group", None))
-            and not any(getattr(p, "ds_pipe_replicated", False) for p in params))
+            and not any(getattr(p, "ds_pipe_replicated", False) for p in params)
+            and compat.fast_path_exact(optimizer, FEATURE))
 
 
 def install(optimizer) -> bool:
     """Let ``optimizer``'s gradient norm decide overflow inside step(); return whether it did."""
-    if os.environ.get(ENV, "1").strip() == "0" or getattr(optimizer, _ATTR, None) is not None:
+    if not switch_on(ENV) or not applies(optimizer):
         return False
-    if not applies(optimizer):
-        return False
-    optimizer._dsm_zero12_overflow = {"step": optimizer.step, "check_overflow": optimizer.check_overflow,
-                                      "in_step": False, "deferred": 0}
-    optimizer.step = types.MethodType(step_marking_norm_decides, optimizer)
-    optimizer.check_overflow = types.MethodType(check_overflow_by_norm, optimizer)
+    compat.state(optimizer, FEATURE, {"in_step": False, "deferred": 0})
+    compat.replace_method(optimizer, "step", step_marking_norm_decides, FEATURE)
+    compat.replace_method(optimizer, "check_overflow", check_overflow_by_norm, FEATURE)
     return True

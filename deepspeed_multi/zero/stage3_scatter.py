@@ -22,14 +22,12 @@ gradient is reduced in place by DeepSpeed without a copy). Anything else calls D
 """
 from __future__ import annotations
 
-import types
-
 import torch
 
-from . import ops
-from .ops.reference import SUPPORTED as _SUPPORTED_DTYPES
+from .. import compat, ops
+from .runs import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
 
-_ATTR = "_dsm_zero3_scatter"
+FEATURE = "stage3_scatter"
 _METHOD = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
 
@@ -52,7 +50,7 @@ def avg_scatter_grads(self, params_to_reduce, communication_data_type):
     import deepspeed.comm as dist
     grads = [p.grad for p in params_to_reduce]
     if not _plain_path(self, params_to_reduce, grads, communication_data_type):
-        return self._dsm_zero3_scatter["original"](params_to_reduce, communication_data_type)
+        return compat.original(self, _METHOD)(params_to_reduce, communication_data_type)
     self._assert_same_partition_group(params_to_reduce)
     group = self._get_param_partition_group(params_to_reduce[0])
     world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
@@ -74,7 +72,7 @@ def avg_scatter_grads(self, params_to_reduce, communication_data_type):
     if parts != chunks:  # this rank holds the short tail of some gradients
         outputs = [o.narrow(0, 0, n) if n != c else o for o, n, c in zip(outputs, parts, chunks)]
     elif not converted:
-        self._dsm_zero3_scatter["one_run"] = outputs  # consecutive views of one buffer (fused_zero)
+        compat.state(self, FEATURE)["one_run"] = outputs  # consecutive views of one buffer (stage3_partition)
     if converted:
         outputs = [g.to(self.gradient_accumulation_dtype) for g in outputs]
     return outputs
@@ -82,23 +80,19 @@ def avg_scatter_grads(self, params_to_reduce, communication_data_type):
 
 def is_one_run(optimizer, grad_partitions) -> bool:
     """``grad_partitions`` is the list :func:`avg_scatter_grads` just returned as consecutive views."""
-    state = getattr(optimizer, _ATTR, None)
-    return state is not None and state.pop("one_run", None) is grad_partitions
+    return compat.installed(optimizer, FEATURE) and compat.state(optimizer, FEATURE).pop("one_run", None) is grad_partitions
 
 
 def applies(optimizer) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    from .fused_zero import is_exact_method  # not at the top: fused_zero imports this module
-    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
-            and is_exact_method(optimizer, DeepSpeedZeroOptimizer_Stage3, _METHOD)
+    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and compat.fast_path_exact(optimizer, FEATURE)
             and hasattr(optimizer, "all2all_process_group") and hasattr(optimizer, "_autoep_expert_parallel_group"))
 
 
 def install(optimizer) -> bool:
     """Build ``optimizer``'s reduce-scatter input with one fused pack per bucket; return whether it did."""
-    if getattr(optimizer, _ATTR, None) is not None or not applies(optimizer):
+    if not applies(optimizer):
         return False
-    optimizer._dsm_zero3_scatter = {"original": getattr(optimizer, _METHOD)}
-    setattr(optimizer, _METHOD, types.MethodType(avg_scatter_grads, optimizer))
+    compat.state(optimizer, FEATURE, {})
+    compat.replace_method(optimizer, _METHOD, avg_scatter_grads, FEATURE)
     return True

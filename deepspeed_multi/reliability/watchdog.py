@@ -48,6 +48,8 @@ import weakref
 
 import torch
 
+from ..autograd import graph
+
 logger = logging.getLogger(__name__)
 
 _PREFIX = "dsm_watchdog/"
@@ -102,7 +104,7 @@ class EngineWatch:
         if "backward" in self.marks:
             return
         self.marks["backward"] = time.monotonic()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_graph_task)
+        graph.at_end_of_backward(self._end_of_graph_task)
 
     def _end_of_graph_task(self):
         engine = self.engine()
@@ -154,7 +156,7 @@ def _install_forward_hooks(engine, watch):
     zero3 = watch.stage == 3
 
     def pre(module, args):
-        if torch._C._current_graph_task_id() == -1:
+        if not graph.in_backward():
             watch.leave("backward")
         if zero3:
             watch.enter("forward")

@@ -9,7 +9,7 @@ PyTorch's meaning: every backward accumulates, ``zero_grad()`` discards, ``step(
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from . import zero2_pack
+from . import stage12_bucket_pack
 
 
 def start_window(optimizer) -> None:
@@ -53,7 +53,7 @@ def abort_backward(engine) -> None:
     optimizer = engine.optimizer
     if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
         optimizer._backward_active_depth = 0
-        zero2_pack.drop_pending(optimizer)
+        stage12_bucket_pack.drop_pending(optimizer)
         for bucket in optimizer.ipg_buckets.values():
             # ZeRO-3 buckets keep their buffer (clear() would drop it for good); ZeRO-1/2 reallocate.
             bucket.clear_params() if hasattr(bucket, "clear_params") else bucket.clear()

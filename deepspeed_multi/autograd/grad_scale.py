@@ -1,4 +1,4 @@
-"""The gradient scale of an engine's region of the graph (see [Note: gradient scale] in _boundary).
+"""The gradient scale of an engine's region of the graph (see [Note: gradient scale] in autograd/boundary.py).
 
 f = 1 / gradient_accumulation_steps, times the current dynamic (or static) loss scale for fp16;
 f = 1 for an engine that trains nothing, whose gradients only pass through.

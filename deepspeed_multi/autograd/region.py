@@ -5,7 +5,7 @@ Multimodal and prompt-tuning code calls submodules of an engine directly, e.g. t
 pattern ``embeds = llm.module.get_input_embeddings()(input_ids)`` before ``llm(inputs_embeds=
 ...)``, or an ``lm_head`` the user applies to hidden states. Such a call computes with the
 engine's parameters, so it belongs to the engine's region (see [Note: gradient scale is a
-property of the engine's region of the graph] in _boundary.py): without boundary nodes its
+property of the engine's region of the graph] in boundary.py): without boundary nodes its
 parameters would see the true gradient instead of f_E times it (gradient_accumulation_steps
 times too large, 1/loss_scale too small in fp16), silently.
 
@@ -22,7 +22,7 @@ The hooks are registered after ZeRO-3's own forward hooks, so the boundary nodes
 ZeRO-3's gather/release nodes: in backward the prologue runs before ZeRO-3 gathers.
 
 A parameter used directly as a tensor, not through a module call, is not seen by these hooks;
-see _outside_use.py.
+see outside_use.py.
 
 [Note: no hooks inside engine(...)]
 Inside ``engine.forward`` the region is already open, so the hooks would only return at once;
@@ -36,12 +36,10 @@ import weakref
 
 import torch
 
-from . import zero3_counters
-from ._boundary import wrap_inputs
+from ..zero import stage3_counters
+from .boundary import wrap_inputs
+from .graph import in_backward
 
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Region:
@@ -96,12 +94,12 @@ def _make_pre_forward(engine_ref, region_ref):
 
     def _pre_forward_outside_call(module, args, kwargs):
         region = region_ref()
-        if region is None or region.depth or not torch.is_grad_enabled() or _in_backward():
+        if region is None or region.depth or not torch.is_grad_enabled() or in_backward():
             return None
         engine = engine_ref()
         region.depth += 1
         zero3 = engine.zero_optimization_stage() == 3
-        region._outside_calls.append((module, zero3_counters.snapshot(module) if zero3 else None))
+        region._outside_calls.append((module, stage3_counters.snapshot(module) if zero3 else None))
         engine._recover_from_failed_backward()
         return wrap_inputs(engine, args, kwargs)
 

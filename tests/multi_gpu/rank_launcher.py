@@ -1,6 +1,7 @@
 """Run a function on N local ranks, collect what each returns, and fail fast.
 
-Shared by the multi-process tests (tests/multi_gpu/harness.py) and the benchmarks.
+Shared by the multi-process tests (tests/multi_gpu/harness.py) and the benchmarks (which put
+tests/multi_gpu on sys.path); test and benchmark code only, so it lives outside the package.
 
 [Note: no hangs]
 A collective that one rank skips blocks the others forever, so every run has a deadline.

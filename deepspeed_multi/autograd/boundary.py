@@ -19,13 +19,13 @@ The first gradient that reaches any boundary node of E in a backward pass calls
 callback of the autograd graph task, which runs once the whole backward has produced every
 gradient (whatever the order of hooks, parameters used twice, or reentrant checkpointing,
 whose inner backward runs nested inside the outer task). Before it, and before anything
-else of the pass, ``misuse.check_dp_groups`` refuses a pass that reaches engines on different
+else of the pass, ``dp_groups.check_dp_groups`` refuses a pass that reaches engines on different
 data-parallel groups.
 """
 import torch
 
-from ._tree import tree_map
-from .misuse import check_dp_groups
+from ..reliability.dp_groups import check_dp_groups
+from .tree import tree_map
 
 
 class _ScaleGrad(torch.autograd.Function):

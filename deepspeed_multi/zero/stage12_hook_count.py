@@ -23,24 +23,24 @@ and kept would reject the full-size gradient of the next backward.
 """
 from __future__ import annotations
 
-import torch
 
-_ATTR = "_dsm_cached_hook_count"
+from .. import compat
+from ..autograd import graph
+
+FEATURE = "stage12_hook_count"
 
 
 class UsedParameterCount:
     """``count_used_parameters_in_backward(params)`` from grad accumulators kept since install."""
 
     def __init__(self, params):
-        from torch.autograd.graph import _get_grad_fn_or_grad_acc
         self.params = list(params)
-        with torch.enable_grad():
-            self.nodes = [_get_grad_fn_or_grad_acc(p) for p in self.params]
+        self.nodes = [graph.grad_accumulator(p) for p in self.params]
 
     def __call__(self) -> int:
-        if torch._C._current_graph_task_id() == -1:
+        if not graph.in_backward():
             raise RuntimeError("the used-parameter count must be taken during backward execution")
-        will_execute = torch._C._will_engine_execute_node
+        will_execute = graph.will_execute
         seen = set()
         count = 0
         for param, node in zip(self.params, self.nodes):
@@ -67,12 +67,8 @@ def install(optimizer) -> bool:
     """Re-register ``optimizer``'s gradient hooks with the cached count; return whether it did."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.utils.torch import register_grad_hook
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or getattr(optimizer, _ATTR, None) is not None:
-        return False
-    names = ("create_gradient_handling_hooks", "should_refresh_expected_hook_count", "reenter_backward_if_needed",
-             "update_hook_state_and_maybe_run_epilogue")
-    if any(name in vars(optimizer) or getattr(type(optimizer), name) is not getattr(DeepSpeedZeroOptimizer, name)
-           for name in names):
+    if (not isinstance(optimizer, DeepSpeedZeroOptimizer) or compat.installed(optimizer, FEATURE)
+            or not compat.fast_path_exact(optimizer, FEATURE)):
         return False
     params = [(i, p) for i, group in enumerate(optimizer.bit16_groups) for p in group if p.requires_grad]
     hooks = getattr(optimizer, "_grad_acc_hooks", None)
@@ -84,5 +80,5 @@ def install(optimizer) -> bool:
     hooks.clear()
     for i, param in params:
         hooks.append(register_grad_hook(param, _make_hook(optimizer, param, i, count)))
-    setattr(optimizer, _ATTR, count)
+    compat.state(optimizer, FEATURE, {"count": count})
     return True

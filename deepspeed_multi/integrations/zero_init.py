@@ -16,7 +16,7 @@ import contextlib
 
 import deepspeed
 
-from .config import load_config, zero_stage
+from ..config import load_config, zero_stage
 from .hf_config import hf_deepspeed_config
 
 

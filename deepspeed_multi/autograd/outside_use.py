@@ -1,7 +1,7 @@
 """Gradients that reach an engine's parameters from outside its region: a clear error.
 
 [Note: a parameter used directly as a tensor]
-_region.py puts every *module call* of an engine's submodules inside its region. A parameter
+region.py puts every *module call* of an engine's submodules inside its region. A parameter
 used directly as a tensor, e.g. ``F.linear(x, engine.module.fc.weight)`` or a penalty summed
 over ``engine.module.parameters()``, is not a module call: its gradient bypasses the boundary,
 so it is not scaled by the engine's factor, and ZeRO's backward prologue may not have run.
@@ -42,14 +42,16 @@ pass. When every parameter of an engine sits inside checkpointed parts, the oute
 the boundary but reaches no parameter, so the prologue waits (``engine._boundary_crossed``);
 the first parameter gradient of the nested pass then starts it.
 """
-import types
-
 import torch
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from ._state import TrainingState
-from ._tree import tree_tensors
+from .. import compat
+from ..state import TrainingState
+from . import graph
+from .tree import tree_tensors
+
+FEATURE = "outside_use"
 
 
 def install(engine) -> None:
@@ -88,13 +90,12 @@ def check(engine, param, names) -> None:
 
 
 def _wrap_method(optimizer, name, engine, names):
-    original = getattr(optimizer, name)
 
     def checked(self, param, *args):
         check(engine, param, names)
-        return original(param, *args)
+        return compat.original(self, name)(param, *args)
 
-    setattr(optimizer, name, types.MethodType(checked, optimizer))
+    compat.replace_method(optimizer, name, checked, FEATURE)
 
 
 def _prehook(param, engine, names):
@@ -110,7 +111,7 @@ class MixedUseCheck:
     """Gradients from outside the region mixed into a parameter's sum (see the Note above)."""
 
     def __init__(self, engine, names, updates):
-        from ._boundary import _InputBoundary, _OutputBoundary
+        from .boundary import _InputBoundary, _OutputBoundary
         self.engine_name = engine._engine_name
         self.scale_factor = engine.grad_scale_factor
         self.names = names
@@ -154,7 +155,7 @@ class MixedUseCheck:
     def _make_record(self, edges):
 
         def record_region_gradient(grad_inputs, grad_outputs):
-            task = torch._C._current_graph_task_id()
+            task = graph.current_task()
             if task != self._task:  # a new backward pass (only one records at a time: see the Note)
                 self._task, self._sums = task, {}
             sums = self._sums
@@ -168,7 +169,7 @@ class MixedUseCheck:
     def _make_before_accumulate(self, param):
 
         def before_accumulate(grad_outputs):
-            if torch._C._current_graph_task_id() != self._task:
+            if graph.current_task() != self._task:
                 return  # the region sent nothing in this pass (reentrant checkpointing's nested pass)
             got, region = grad_outputs[0], self._sums.pop(param, None)
             if got is None or param._backward_hooks:

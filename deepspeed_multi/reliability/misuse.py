@@ -1,0 +1,115 @@
+"""Misuse that would otherwise hang or give wrong gradients: each check raises an error that
+names the engine and the fix.
+
+[Note: the misuse catalogue]
+What each mistake meets (README "Failure and recovery" lists upstream's behaviour beside it):
+
+* step() or zero_grad() while a backward pass is running and either is producing this
+  engine's gradients or will still reach it (e.g. from a tensor hook): refused
+  (:func:`refuse_inside_backward`); the gradients would land in the next window, or be wiped.
+* ``engine.backward(loss)`` on a loss that an engine's ``backward()`` already backpropagated
+  (upstream habit: one ``backward`` per engine on a shared loss): refused
+  (:func:`mark_backpropagated`), since one backward already reaches every engine in the graph
+  and a second one, with ``retain_graph=True``, counts every gradient twice. A plain
+  ``loss.backward()`` followed by ``engine.backward(loss)`` cannot be seen here: without
+  retain_graph torch refuses it itself, with it the gradients are doubled.
+* a MultiEngine or DeepSpeedEngine given to ``deepspeed_multi.initialize`` as the model:
+  refused (:func:`refuse_engine_as_model`); given to upstream ``deepspeed.initialize``: refused
+  by the MultiEngine itself when the outer engine first runs it (:func:`install_outer_engine_guard`).
+* ``requires_grad`` changed on a parameter after initialize: refused at the next update
+  (:func:`check_requires_grad_unchanged`, one pass over the parameters per update); the
+  optimizer and ZeRO's partitions were built for the parameters that required grad then.
+* one backward through trainable engines on different data-parallel groups (``mpu``): refused
+  before any engine's backward starts (``dp_groups.check_dp_groups``) unless every engine it reaches
+  opted in with ``allow_mixed_dp_groups``; each engine averages over its own group, so the
+  gradients are right only when the data is replicated across each model-parallel group.
+* the watchdog (watchdog.py) and the rank-agreement check at ZeRO 0/1 (rank_agreement.py) catch
+  engines reached on some ranks only; skip groups (skip_group.py) keep fp16 overflows in one
+  engine isolated or shared as configured.
+"""
+from ..autograd.graph import any_param_in_current_graph, in_backward
+from ..state import TrainingState
+
+
+def refuse_inside_backward(engine, what: str) -> None:
+    """``what`` (step()/zero_grad()) inside a backward that produces, or will reach, this engine's gradients."""
+    if not in_backward() or not engine.trains:
+        return
+    if engine._state is TrainingState.IN_BACKWARD:
+        when = "while a backward pass is still producing this engine's gradients"
+    elif any_param_in_current_graph(engine._trainable_params):
+        when = "inside a backward pass that has yet to reach this engine (from a hook?)"
+    else:
+        return
+    raise RuntimeError(f"MultiEngine ({engine._engine_name()}): {what} called {when}; its gradients would "
+                       f"{'land in the next window' if what == 'step()' else 'be partly discarded'}. Call {what} "
+                       "after loss.backward() returns.")
+
+
+_BACKPROPAGATED = "_dsm_backpropagated_by"
+
+
+def check_not_backpropagated(engine, loss) -> None:
+    first = getattr(loss, _BACKPROPAGATED, None)
+    if first is not None:
+        raise RuntimeError(
+            f"MultiEngine ({engine._engine_name()}).backward(loss): this loss was already backpropagated by "
+            f"MultiEngine ({first}).backward(loss). One backward reaches every engine in the loss's graph, so a "
+            "second one would count every engine's gradients twice. Call backward once per loss: loss.backward() "
+            "or any one engine's backward(loss).")
+
+
+def mark_backpropagated(engine, loss) -> None:
+    try:
+        setattr(loss, _BACKPROPAGATED, engine._engine_name())
+    except (AttributeError, TypeError):  # a tensor subclass without a __dict__: nothing to remember
+        pass
+
+
+def refuse_engine_as_model(model, where: str) -> None:
+    """deepspeed_multi.initialize(model=<an engine>)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    if isinstance(model, DeepSpeedEngine):
+        raise TypeError(
+            f"{where}: model is already a {type(model).__name__} (for {type(model.module).__name__}); an engine "
+            "around an engine would give the same parameters two optimizers. Use the engine you have, or pass its "
+            "module (engine.module) to build a new one.")
+
+
+def install_outer_engine_guard(engine) -> None:
+    """Upstream deepspeed.initialize(model=<MultiEngine>) builds an engine around this one: refuse
+    its first forward. A forward pre-hook on the MultiEngine looks a few frames up for another
+    engine's DeepSpeedEngine.forward (a few microseconds per call)."""
+    import sys
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    def pre(module, args):
+        frame = sys._getframe(1)
+        for _ in range(8):
+            if frame is None:
+                return
+            outer = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+            if isinstance(outer, DeepSpeedEngine) and outer is not engine:
+                raise TypeError(
+                    f"MultiEngine ({engine._engine_name()}) is the model of another engine ({type(outer).__name__}): "
+                    "deepspeed.initialize was given an engine as its model, so two optimizers would update the "
+                    "same parameters. Use this engine as it is, or pass engine.module to deepspeed.initialize.")
+            frame = frame.f_back
+
+    engine.register_forward_pre_hook(pre)
+
+
+def check_requires_grad_unchanged(engine) -> None:
+    """Every parameter's requires_grad is what it was at initialize (called at each update)."""
+    now = [p for p in engine.module.parameters() if p.requires_grad]
+    if len(now) == len(engine._trainable_params) and all(a is b for a, b in zip(now, engine._trainable_params)):
+        return
+    was = {id(p) for p in engine._trainable_params}
+    changed = [(n, id(p) not in was) for n, p in engine.module.named_parameters() if p.requires_grad != (id(p) in was)]
+    detail = ", ".join(f"{n!r} ({'False -> True' if on else 'True -> False'})" for n, on in changed[:5])
+    raise RuntimeError(
+        f"MultiEngine ({engine._engine_name()}): requires_grad changed after deepspeed_multi.initialize on {detail}. "
+        "The optimizer (and ZeRO's gradient and optimizer-state partitions) were built for the parameters that "
+        "required grad at initialize, so this update would skip or corrupt them. Set requires_grad before "
+        "initialize (build a new engine to train another subset), and freeze temporarily with torch.no_grad() "
+        "or by detaching inputs instead.")

@@ -1,0 +1,34 @@
+"""Every ``DSM_*`` environment switch the package reads, read here and nowhere else.
+
+User-facing options are config keys (``config.MultiOptions``, under ``"deepspeed_multi"``);
+these switches are for diagnostics, A/B benchmarks and build locations. Each is read when it is
+needed (not cached at import), so a test or a benchmark may set it per engine.
+"""
+import os
+
+# Fast paths (each "0" keeps DeepSpeed's own method; see deepspeed_multi/zero/).
+FUSED_ZERO = "DSM_FUSED_ZERO"  # the fused bucket passes (stage12_reduce, stage12_bucket_pack, stage3_*)
+ZERO12_GRAD_VIEW = "DSM_ZERO12_GRAD_VIEW"  # ZeRO-1/2 update reads its gradient partition in place
+ZERO3_GRAD_VIEW = "DSM_ZERO3_GRAD_VIEW"  # ZeRO-3 update reads its fp32 gradient in place
+ZERO12_OVERFLOW_BY_NORM = "DSM_ZERO12_OVERFLOW_BY_NORM"  # the norm's all-reduce also decides overflow
+# Reliability.
+CHECK_RANK_AGREEMENT = "DSM_CHECK_RANK_AGREEMENT"  # ZeRO-0/1 per-update backward-count comparison
+# DeepSpeed outside the supported window: run anyway, every fast path off (compat.check_deepspeed).
+ALLOW_UNSUPPORTED_DEEPSPEED = "DSM_ALLOW_UNSUPPORTED_DEEPSPEED"
+# The fused ops (deepspeed_multi.ops): backend "auto" | "extension" | "reference", and build directory.
+FUSED_REDUCE_BACKEND = "DSM_FUSED_REDUCE"
+BUILD_DIR = "DSM_BUILD_DIR"
+
+ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, CHECK_RANK_AGREEMENT,
+       ALLOW_UNSUPPORTED_DEEPSPEED, FUSED_REDUCE_BACKEND, BUILD_DIR)
+
+
+def switch_on(name: str, default: bool = True) -> bool:
+    """A boolean switch: "0" is off, "1" is on, unset (or empty) is ``default``."""
+    value = os.environ.get(name, "").strip()
+    return default if value == "" else value != "0"
+
+
+def value(name: str, default: str = "") -> str:
+    """A switch's text (stripped), or ``default`` when unset or empty."""
+    return os.environ.get(name, "").strip() or default

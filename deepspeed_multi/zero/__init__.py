@@ -1,0 +1,62 @@
+"""ZeRO integration: what MultiEngine changes in DeepSpeed's ZeRO optimizers, installed in one order.
+
+Correctness (always): ``buffers`` (gradients kept and discarded with PyTorch's meaning),
+``stage3_counters`` (a retained graph backpropagated again at ZeRO-3) and the direct-use check
+(``autograd.outside_use``). Fast paths (each gives DeepSpeed's bits, each checked by
+``compat.fast_path_exact`` and skipped where it does not apply):
+
+=====================  ==========  ==================================================================
+feature                stages      what it replaces
+=====================  ==========  ==================================================================
+stage12_hook_count     1, 2        the per-backward used-parameter count in DeepSpeed's grad hooks
+stage3_grad_view       3           the flattened copy of the fp32 gradient before each sub-group step
+stage12_grad_view      1, 2        the flattened copy of the gradient partition before the update
+stage12_overflow       1, 2        the overflow flag's all-reduce (the norm's all-reduce decides)
+stage3_partition       3           one copy/add per parameter after the reduce-scatter (fused_reduce)
+stage3_scatter         3           the per-slice interleave before the reduce-scatter (fused_reduce)
+stage12_reduce         1, 2        the flattened all-reduce and copy-back of each bucket (fused_reduce)
+stage12_bucket_pack    1, 2        one copy per parameter into the bucket (fused_reduce)
+=====================  ==========  ==================================================================
+
+[Note: the install order]
+Features replace disjoint methods, so their order changes no result; two things depend on it:
+the direct-use check wraps DeepSpeed's per-parameter hook methods before anything else so that
+it sees every gradient first, and the rank-agreement wait rides on ``stage12_bucket_pack``
+(right before the bucket's first collective), so it is attached after the fused features and
+falls back to ``allreduce_gradients`` where the pack is not installed.
+"""
+import logging
+
+from .. import ops
+from ..switches import FUSED_ZERO, switch_on
+from . import (stage3_grad_view, stage3_partition, stage3_scatter, stage12_bucket_pack, stage12_grad_view,
+               stage12_hook_count, stage12_overflow, stage12_reduce)
+
+logger = logging.getLogger(__name__)
+FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
+
+
+def install(optimizer, fused_reduce: bool) -> dict:
+    """Install every fast path that applies to ``optimizer``, in the order of the Note; return
+    ``{feature: installed}``. ``fused_reduce`` is the config option."""
+    done = {}
+    for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow):
+        done[module.FEATURE] = module.install(optimizer)
+    done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})
+    return done
+
+
+def install_fused(optimizer) -> dict:
+    """The fused bucket passes (``deepspeed_multi.ops``) that apply to ``optimizer``, unless
+    ``DSM_FUSED_ZERO=0``; return ``{feature: installed}``."""
+    on = switch_on(FUSED_ZERO)
+    done = {}
+    # The pass before the collective goes with the pass after it: where the copy after the
+    # reduction is not fused (offload, an overridden method), the pack before it is not either.
+    for after, before in ((stage3_partition, stage3_scatter), (stage12_reduce, stage12_bucket_pack)):
+        done[after.FEATURE] = on and after.install(optimizer)
+        done[before.FEATURE] = done[after.FEATURE] and before.install(optimizer)
+    if any(done.values()):
+        logger.info("deepspeed_multi: fused bucket passes %s on %s, backend %s",
+                    [f for f, on in done.items() if on], type(optimizer).__name__, ops.active_backend())
+    return done
