@@ -79,11 +79,16 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = tuple(
           "allreduce_gradients no_sync step zero_grad")
     + _rows(_ENGINE, "called", "engine", True, "_backward_prologue _backward_epilogue managed_gradient_accumulation "
             "gradient_accumulation_steps zero_optimization_stage zero_optimization_partition_gradients fp16_enabled "
-            "_get_optimizer_loss_scale empty_partition_cache train_batch_size timers")
+            "_get_optimizer_loss_scale empty_partition_cache train_batch_size")
     + _rows(_ENGINE, "written", "engine", True, "_support_torch_style_backward _unmanaged_backward_count "
             "_running_engine_step micro_steps global_steps global_samples skipped_steps _step_applied")
-    + _rows(_ENGINE, "read", "engine", True, "engine_timers optimizer lr_scheduler module device")
+    + _rows(_ENGINE, "read", "engine", True, "timers engine_timers optimizer lr_scheduler module device")
     + _rows(_ENGINE, "read", "dp_groups", True, "seq_data_parallel_group data_parallel_group")
+    + _rows(_ENGINE, "called", "checkpoint", True, "save_checkpoint load_checkpoint")
+    + _rows(_ENGINE, "called", "accelerate", True, "get_global_grad_norm gradient_clipping")
+    + _rows("deepspeed.zero", "called", "checkpoint, zero_init", True, "GatheredParameters Init")
+    + _rows("deepspeed.comm", "called", "reliability, checkpoint", True, "all_reduce all_gather_object "
+            "barrier broadcast_object_list get_rank get_world_size")
     + _rows("deepspeed", "swapped", "initialize", True, "DeepSpeedEngine")
     + _rows("deepspeed", "swapped", "accelerate._routing", True, "initialize")
     + _rows("deepspeed.utils.groups", "swapped", "dp_groups", True, "mpu")
@@ -103,6 +108,7 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = tuple(
     + _rows(_Z12, "replaced", "stage12_grad_view", False, "copy_grads_in_partition _get_preflattened_grad_partition "
             "has_overflow_partitioned_grads_serial")
     + _rows(_Z12, "relied on", "stage12_grad_view", False, "_has_inf_or_nan")
+    + _rows(_Z3, "read", "skip_group", True, "grad_partitions_flat_buffer")
     + _rows(_Z12, "replaced", "stage12_overflow", False, "step check_overflow")
     + _rows(_Z12, "relied on", "stage12_overflow", False, "_check_overflow has_overflow scaled_global_norm "
             "get_grad_norm_direct")
@@ -252,9 +258,13 @@ def source_hash(func: Callable) -> str:
     return hashlib.sha256("\n".join(_sources(func)).encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
 def _unchanged(cls, name: str) -> bool:
-    return source_hash(getattr(cls, name)) in CHECKED_SOURCES.get(f"{cls.__name__}.{name}", ())
+    return _checked(f"{cls.__name__}.{name}", getattr(cls, name))
+
+
+@functools.lru_cache(maxsize=None)
+def _checked(key: str, func: Callable) -> bool:  # keyed by the function: a swapped method is hashed anew
+    return source_hash(func) in CHECKED_SOURCES.get(key, ())
 
 
 _warned: set = set()
@@ -330,8 +340,10 @@ def state(obj, feature: str, initial: Optional[dict] = None) -> dict:
 
 
 def installed(obj, feature: str) -> bool:
-    return feature in obj.__dict__.get("_dsm_state", {}) or any(
-        p.feature == feature for p in obj.__dict__.get("_dsm_patches", {}).values())
+    """Whether ``feature`` replaced a method of, or keeps state on, ``obj`` (any object, or None)."""
+    found = getattr(obj, "__dict__", {})
+    return feature in found.get("_dsm_state", {}) or any(
+        p.feature == feature for p in found.get("_dsm_patches", {}).values())
 
 
 def restore(obj, feature: str) -> None:

@@ -1,0 +1,150 @@
+"""The compat layer end to end: a DeepSpeed whose fast-path methods differ, and one outside the window.
+
+One spawned group of 2 ranks runs three phases on the same program (a ZeRO-1 engine, then a
+ZeRO-2 engine, then a ZeRO-3 engine in one chain under one loss, gas 2, clipping, AdamW, fp32)
+against plain PyTorch on the same global batch:
+
+* as installed: every fast path that applies is on;
+* every fast-path method swapped at class level for a wrapper (the stand-in for a DeepSpeed
+  release that edited it): each fast path is off, with one warning naming the method, and the
+  result is bit-identical to the first phase (the fast paths give DeepSpeed's bits) and exact
+  against PyTorch;
+* a DeepSpeed version outside the supported window with ``DSM_ALLOW_UNSUPPORTED_DEEPSPEED=1``:
+  every fast path off, one warning, same bits; without the switch, initialize refuses.
+"""
+import copy
+import logging
+import os
+from unittest import mock
+
+import torch
+
+import deepspeed.comm as dist
+import deepspeed_multi
+from common import FP32_TOL, MLP, ds_config, full_params
+from deepspeed_multi import compat
+from harness import run_distributed
+
+STAGES = (1, 2, 3)
+GAS, UPDATES = 2, 3
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(11 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+def _models():
+    return [MLP(d_in=8, d_hidden=24, d_out=8, seed=s) for s in range(len(STAGES))]
+
+
+def _train():
+    """The chain through our engines; returns (final parameters, features installed per engine)."""
+    engines, installed = [], []
+    for stage, model in zip(STAGES, _models()):
+        cfg = ds_config(stage, gas=GAS, gradient_clipping=0.5)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+        engine, *_ = deepspeed_multi.initialize(model=model, optimizer=opt, config=copy.deepcopy(cfg))
+        engines.append(engine)
+        installed.append(sorted(f for f in compat.FAST_PATH_METHODS if compat.installed(engine.optimizer, f)))
+    for step in range(UPDATES * GAS):
+        x, y = _batch(step, dist.get_rank())
+        for e in engines:
+            x = e(x)
+        ((x - y)**2).mean().backward()
+        for e in engines:
+            e.step()
+    return [full_params(e) for e in engines], installed
+
+
+def _reference():
+    models, world = _models(), dist.get_world_size()
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.02) for m in models]
+    for step in range(UPDATES * GAS):
+        for r in range(world):
+            x, y = _batch(step, r)
+            for m in models:
+                x = m(x)
+            (((x - y)**2).mean() / (world * GAS)).backward()
+        if (step + 1) % GAS == 0:
+            for m, o in zip(models, opts):  # each engine clips on its own norm
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                o.step()
+                o.zero_grad(set_to_none=True)
+    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
+
+
+def _changed(fn):
+
+    def changed_upstream(self, *args, **kwargs):  # a DeepSpeed release that edited the method
+        return fn(self, *args, **kwargs)
+
+    return changed_upstream
+
+
+class _Records(logging.Handler):
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _assert_same(got, want, what, exact):
+    for i, (g, w) in enumerate(zip(got, want)):
+        for n in w:
+            err = (g[n] - w[n]).abs().max().item()
+            assert (err == 0.0) if exact else (err <= FP32_TOL), f"{what}: engine {i} {n}: max abs error {err:.3e}"
+
+
+def _check():
+    records = _Records()
+    logging.getLogger("deepspeed_multi.compat").addHandler(records)
+    reference = _reference()
+
+    base, installed = _train()
+    _assert_same(base, reference, "as installed vs PyTorch", exact=False)
+    assert "stage12_reduce" in installed[0] and "stage12_bucket_pack" in installed[1], installed
+    assert {"stage3_partition", "stage3_grad_view"} <= set(installed[2]), installed
+    assert not records.messages, records.messages
+
+    swapped = {}
+    for owner, names in compat.FAST_PATH_METHODS.values():
+        cls = compat._class(owner)
+        for name in names:
+            if (cls, name) not in swapped:
+                swapped[cls, name] = vars(cls).get(name)
+                setattr(cls, name, _changed(getattr(cls, name)))
+    try:
+        got, installed = _train()
+    finally:
+        for (cls, name), fn in swapped.items():
+            setattr(cls, name, fn) if fn is not None else delattr(cls, name)
+    assert installed == [[], [], []], f"a fast path stayed on over a changed method: {installed}"
+    _assert_same(got, base, "fast paths off (methods changed) vs on", exact=True)
+    for feature, (owner, names) in compat.FAST_PATH_METHODS.items():
+        assert any(f"fast path {feature} off" in m for m in records.messages), (feature, records.messages)
+    assert all(m.count("differs from the source it was checked against") == 1 for m in records.messages)
+
+    records.messages.clear()
+    compat.check_deepspeed.cache_clear()
+    with mock.patch.object(compat, "installed_version", lambda: "0.18.0"):
+        try:
+            deepspeed_multi.initialize(model=MLP(), optimizer=None, config=ds_config(2))
+        except compat.UnsupportedDeepSpeed as e:
+            assert "0.18.0" in str(e) and compat.ALLOW_ENV in str(e) and compat.SUPPORTED[0] in str(e), str(e)
+        else:
+            raise AssertionError("a DeepSpeed outside the window was not refused")
+        compat.check_deepspeed.cache_clear()
+        with mock.patch.dict(os.environ, {compat.ALLOW_ENV: "1"}):
+            got, installed = _train()
+    compat.check_deepspeed.cache_clear()
+    assert installed == [[], [], []], installed
+    assert sum("outside the supported window" in m for m in records.messages) == 1, records.messages
+    _assert_same(got, base, "outside the window (fast paths off) vs as installed", exact=True)
+
+
+def test_changed_methods_and_versions_turn_fast_paths_off_exactly():
+    run_distributed(_check, timeout_s=180)

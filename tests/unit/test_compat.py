@@ -1,0 +1,225 @@
+"""The compat layer (deepspeed_multi/compat.py): the version gate, the exact-method check, the
+replacement registry, and the package rules it makes checkable (single process).
+
+The end-to-end half (fast paths off over changed methods and outside the window, results exact)
+is tests/multi_gpu/test_compat.py.
+"""
+import ast
+import logging
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from deepspeed_multi import compat
+from deepspeed_multi.zero import stage12_reduce
+
+PACKAGE = Path(compat.__file__).resolve().parent
+ROOT = PACKAGE.parent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gate():
+    compat.check_deepspeed.cache_clear()
+    yield
+    compat.check_deepspeed.cache_clear()
+
+
+# ------------------------------------------------------------------------------ version gate
+@pytest.mark.parametrize("version,inside", [(compat.SUPPORTED[0], True), (compat.SUPPORTED[1], True),
+                                            ("0.19.8+abc123", True), ("0.18.9", False), ("0.19.9", False),
+                                            ("0.20.0", False), ("1.0.0", False)])
+def test_window(version, inside):
+    assert compat.in_window(version) is inside
+
+
+def test_installed_deepspeed_is_inside_the_window():
+    assert compat.in_window(), f"the test environment runs DeepSpeed {compat.installed_version()}"
+    compat.check_deepspeed()  # no error
+
+
+def test_outside_the_window_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.20.1")
+    monkeypatch.delenv(compat.ALLOW_ENV, raising=False)
+    with pytest.raises(compat.UnsupportedDeepSpeed) as info:
+        compat.check_deepspeed()
+    msg = str(info.value)
+    assert "0.20.1" in msg and compat.SUPPORTED[0] in msg and compat.SUPPORTED[1] in msg and compat.ALLOW_ENV in msg
+
+
+def test_outside_the_window_runs_with_the_switch_and_fast_paths_off(monkeypatch, caplog):
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.20.1")
+    monkeypatch.setenv(compat.ALLOW_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="deepspeed_multi.compat"):
+        compat.check_deepspeed()
+    assert "outside the supported window" in caplog.text
+    assert not compat.fast_paths_allowed()
+    assert not stage12_reduce.install(_fake_z12())
+
+
+def test_a_missing_critical_method_is_refused_even_with_the_switch(monkeypatch):
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.20.1")
+    monkeypatch.setenv(compat.ALLOW_ENV, "1")
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    monkeypatch.delattr(ZeROOptimizer, "clear_backward_seen_flag")
+    with pytest.raises(compat.UnsupportedDeepSpeed, match="ZeROOptimizer.clear_backward_seen_flag"):
+        compat.check_deepspeed()
+
+
+def test_every_critical_touch_point_is_present_in_the_installed_deepspeed():
+    assert compat.missing_critical() == []
+
+
+# --------------------------------------------------------------------- the exact-method check
+def _fake_z12():
+    opt = object.__new__(DeepSpeedZeroOptimizer)
+    vars(opt).update(cpu_offload=False, zenflow=False)
+    return opt
+
+
+def test_every_fast_path_method_of_the_installed_deepspeed_is_a_checked_one():
+    """A new DeepSpeed release in the window must have its sources added (python -m deepspeed_multi.compat --sources)."""
+    for key, found in compat.checked_sources_of_installed().items():
+        assert found in compat.CHECKED_SOURCES.get(key, ()), f"{key}: source {found} was never checked"
+
+
+def test_a_changed_method_turns_its_fast_path_off_with_one_warning(monkeypatch, caplog):
+    original = DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks
+
+    def edited(self, *args, **kwargs):  # stands in for a DeepSpeed release that edited it
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "allreduce_and_copy_with_multiple_ranks", edited)
+    compat._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="deepspeed_multi.compat"):
+        assert not stage12_reduce.install(_fake_z12())
+        assert not stage12_reduce.install(_fake_z12())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "stage12_reduce" in lines[0] and "allreduce_and_copy_with_multiple_ranks" in lines[0]
+    monkeypatch.undo()
+    assert stage12_reduce.install(_fake_z12())  # the checked method again: on
+
+
+def test_an_override_is_left_alone_silently(caplog):
+
+    class Custom(DeepSpeedZeroOptimizer):
+
+        def allreduce_and_copy_with_multiple_ranks(self, *args, **kwargs):
+            return None
+
+    opt = object.__new__(Custom)
+    vars(opt).update(cpu_offload=False, zenflow=False)
+    with caplog.at_level(logging.WARNING, logger="deepspeed_multi.compat"):
+        assert not stage12_reduce.install(opt)
+    assert not caplog.records
+
+
+# ------------------------------------------------------------------------ the replacement registry
+class _Thing:
+
+    def hello(self):
+        return "deepspeed"
+
+
+def test_replace_original_restore():
+    thing = _Thing()
+    compat.replace_method(thing, "hello", lambda self: "ours+" + compat.original(self, "hello")(), "feature_a")
+    assert thing.hello() == "ours+deepspeed" and compat.installed(thing, "feature_a")
+    with pytest.raises(RuntimeError, match="already replaced by feature_a"):
+        compat.replace_method(thing, "hello", lambda self: "other", "feature_b")
+    compat.restore(thing, "feature_a")
+    assert thing.hello() == "deepspeed" and not compat.installed(thing, "feature_a") and "hello" not in vars(thing)
+
+
+def test_swapped_restores_on_error():
+    import types
+    module = types.SimpleNamespace(initialize="deepspeed's")
+    with pytest.raises(ValueError):
+        with compat.swapped(module, "initialize", "ours"):
+            assert module.initialize == "ours"
+            raise ValueError
+    assert module.initialize == "deepspeed's"
+
+
+# ------------------------------------------------------------------------- package rules
+def _sources():
+    return {p: p.read_text() for p in PACKAGE.rglob("*.py")}
+
+
+def test_no_method_is_replaced_outside_the_compat_layer():
+    pattern = re.compile(r"MethodType|_execution_engine|torch\._C\._")
+    offenders = [f"{p.relative_to(ROOT)}:{i}" for p, text in _sources().items()
+                 if p.name not in ("compat.py", "graph.py")
+                 for i, line in enumerate(text.splitlines(), 1) if pattern.search(line) and not line.strip().startswith(("#", "``"))]
+    assert not offenders, f"bind methods only through compat.replace_method, torch._C only in autograd/graph.py: {offenders}"
+
+
+def test_environment_switches_are_read_in_one_place():
+    offenders = [str(p.relative_to(ROOT)) for p, text in _sources().items()
+                 if p.name != "switches.py" and re.search(r"environ(\.get)?\(?\[?[\"']DSM_", text)]
+    assert not offenders
+
+
+def _module_imports():
+    """module -> the package modules it imports at module level (``from . import x`` included)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        name = ".".join(parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.parse(path.read_text()).body:  # module level only: lazy imports break cycles
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{mod}.{alias.name}"
+                    deps.add(sub if (ROOT / sub.replace(".", "/")).with_suffix(".py").exists()
+                             or (ROOT / sub.replace(".", "/")).is_dir() else mod)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("deepspeed_multi"))
+        graph[name] = {d for d in deps if d != name}
+    return graph
+
+
+def test_no_import_cycle():
+    graph = _module_imports()
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in graph.get(node, ()):
+            # A package's __init__ importing its own submodules is how packages work, not a cycle.
+            if dep.startswith(node + "."):
+                continue
+            if state.get(dep) == "open":
+                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_engine_stays_small():
+    assert len((PACKAGE / "engine.py").read_text().splitlines()) < 400
+
+
+def test_design_doc_lists_the_touch_points_as_generated():
+    doc = (ROOT / "docs" / "design.md").read_text()
+    assert compat.markdown_table() in doc, "regenerate with: python -m deepspeed_multi.compat > the table in docs/design.md"
+
+
+def test_every_replaced_name_is_a_touch_point():
+    replaced = {(tp.owner, tp.name) for tp in compat.TOUCH_POINTS if tp.how in ("replaced", "relied on")}
+    listed = {(owner, n) for owner, names in compat.FAST_PATH_METHODS.values() for n in names}
+    assert replaced == listed
