@@ -10,7 +10,18 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export DSM_BUILD_DIR ?= $(abspath $(VENV))/dsm_build
 
-.PHONY: setup test test-unit test-multi demo bench fuzz clean
+# The oldest DeepSpeed release we support (deepspeed_multi/compat.py, SUPPORTED[0]) gets its own
+# environment; `make test` runs the core rows on it after the whole suite on the newest.
+DS_OLDEST ?= 0.19.4
+VENV_OLDEST ?= .venv-ds-oldest
+PY_OLDEST := $(VENV_OLDEST)/bin/python
+STAMP_OLDEST := $(VENV_OLDEST)/.installed
+# The correctness matrix's core rows, the fuzzer's fixed seeds, the Accelerate loops and the
+# compat layer's own end-to-end test.
+CORE_ROWS := chain-z0 or chain-z1 or chain-z2 or chain-z3 or frozen-z3 or distill-z2 or rlhf or llava-z3 or twice-z3 or step-z1 or partial-z3
+OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_fuzz.py tests/multi_gpu/test_accelerate.py tests/multi_gpu/test_compat.py
+
+.PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi demo bench fuzz clean
 
 setup: $(STAMP)
 
@@ -26,8 +37,28 @@ $(STAMP): setup.py Makefile requirements-test.txt
 	$(PY) -c "import torch, deepspeed, accelerate, transformers, deepspeed_multi; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-test: setup
+$(STAMP_OLDEST): setup.py Makefile requirements-test.txt
+	python3 -m venv $(VENV_OLDEST)
+	$(PY_OLDEST) -m pip install -q --upgrade pip
+	$(PY_OLDEST) -m pip install -q "$(TORCH_SPEC)"
+	printf '%s\n' "$(TORCH_SPEC)" "deepspeed==$(DS_OLDEST)" > $(VENV_OLDEST)/constraint.txt
+	grep -v '^deepspeed' requirements-test.txt > $(VENV_OLDEST)/requirements.txt
+	$(PY_OLDEST) -m pip install -q -c $(VENV_OLDEST)/constraint.txt "deepspeed==$(DS_OLDEST)" -r $(VENV_OLDEST)/requirements.txt
+	$(PY_OLDEST) -m pip install -q --no-deps -e .
+	$(PY_OLDEST) -c "import torch, deepspeed; assert deepspeed.__version__ == '$(DS_OLDEST)', deepspeed.__version__; print('oldest: torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+	touch $@
+
+setup-oldest: $(STAMP_OLDEST)
+
+test: test-newest test-oldest
+
+test-newest: setup
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests
+
+test-oldest: setup-oldest
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV_OLDEST))/torch_extensions \
+	  DSM_BUILD_DIR=$(abspath $(VENV_OLDEST))/dsm_build \
+	  $(PY_OLDEST) -m pytest $(OLDEST_TESTS) -k "not test_matrix or $(CORE_ROWS)"
 
 test-unit: setup
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests/unit
@@ -50,4 +81,4 @@ bench: setup
 	PYTHON=$(PY) bash benchmarks/run_all.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) build *.egg-info

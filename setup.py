@@ -24,6 +24,7 @@ setup(
     version="0.1.0",
     description="Hook-driven multi-engine backward for DeepSpeed, with a fused gradient-reduction extension",
     packages=find_packages(include=["deepspeed_multi", "deepspeed_multi.*"]),
+    package_data={"deepspeed_multi": ["touch_points.tsv", "checked_sources.tsv"]},  # read by compat.py
     cmdclass={"build_py": BuildPyWithSources},
     python_requires=">=3.10",
     install_requires=[

@@ -10,8 +10,10 @@ object.
 The design needs DeepSpeed's unmanaged gradient accumulation (``managed_gradient_accumulation``
 and the torch-style backward it comes with: ``_backward_prologue``/``_backward_epilogue`` that
 can run outside ``engine.backward``, ``unregister_grad_acc_post_hooks``,
-``clear_backward_seen_flag``, ``_epilogue_ran_this_backward``); :data:`SUPPORTED` is the first
-release that has all of it through the newest we test. :func:`check_deepspeed` runs at
+``clear_backward_seen_flag``, ``_epilogue_ran_this_backward``); :data:`SUPPORTED` runs from
+0.19.4, the first release with ``managed_gradient_accumulation``, through 0.19.8, the newest we
+test. The fast paths were written against 0.19.8: on 0.19.4-0.19.7 the ones whose DeepSpeed
+methods differ turn themselves off (see the next Note), and the results stay exact. :func:`check_deepspeed` runs at
 ``initialize``: inside the window it passes; outside it raises, naming the installed and the
 supported versions and :data:`ALLOW_ENV`, which runs anyway with every fast path off after
 checking that each correctness-critical touch point is present.
@@ -44,6 +46,7 @@ import textwrap
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from .switches import ALLOW_UNSUPPORTED_DEEPSPEED, switch_on
@@ -51,7 +54,7 @@ from .switches import ALLOW_UNSUPPORTED_DEEPSPEED, switch_on
 logger = logging.getLogger(__name__)
 
 # First and last DeepSpeed release the package runs on (see [Note: the supported DeepSpeed window]).
-SUPPORTED = ("0.19.2", "0.19.8")
+SUPPORTED = ("0.19.4", "0.19.8")
 ALLOW_ENV = ALLOW_UNSUPPORTED_DEEPSPEED
 
 
@@ -69,72 +72,18 @@ _ENGINE, _Z12, _Z3 = "DeepSpeedEngine", "DeepSpeedZeroOptimizer", "DeepSpeedZero
 _MANGLED = "_DeepSpeedZeroOptimizer_Stage3__"
 
 
-def _rows(owner, how, by, critical, names):
-    return [TouchPoint(owner, n, how, by, critical) for n in names.split()]
+def _load_touch_points() -> Tuple[TouchPoint, ...]:
+    """The rows of touch_points.tsv (beside this file): owner, how, our module, need, names."""
+    text = (Path(__file__).with_name("touch_points.tsv")).read_text()
+    rows = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            owner, how, by, need, names = line.split("\t")
+            rows.extend(TouchPoint(owner, name, how, by, need == "correctness") for name in names.split())
+    return tuple(rows)
 
 
-TOUCH_POINTS: Tuple[TouchPoint, ...] = tuple(
-    # The engine: MultiEngine subclasses DeepSpeedEngine.
-    _rows(_ENGINE, "overridden", "engine", True, "forward _backward_prologue _backward_prologue_per_tensor backward "
-          "allreduce_gradients no_sync step zero_grad")
-    + _rows(_ENGINE, "called", "engine", True, "_backward_prologue _backward_epilogue managed_gradient_accumulation "
-            "gradient_accumulation_steps zero_optimization_stage zero_optimization_partition_gradients fp16_enabled "
-            "_get_optimizer_loss_scale empty_partition_cache train_batch_size")
-    + _rows(_ENGINE, "written", "engine", True, "_support_torch_style_backward _unmanaged_backward_count "
-            "_running_engine_step micro_steps global_steps global_samples skipped_steps _step_applied")
-    + _rows(_ENGINE, "read", "engine", True, "timers engine_timers optimizer lr_scheduler module device")
-    + _rows(_ENGINE, "read", "dp_groups", True, "seq_data_parallel_group data_parallel_group")
-    + _rows(_ENGINE, "called", "checkpoint", True, "save_checkpoint load_checkpoint")
-    + _rows(_ENGINE, "called", "accelerate", True, "get_global_grad_norm gradient_clipping")
-    + _rows("deepspeed.zero", "called", "checkpoint, zero_init", True, "GatheredParameters Init")
-    + _rows("deepspeed.comm", "called", "reliability, checkpoint", True, "all_reduce all_gather_object "
-            "barrier broadcast_object_list get_rank get_world_size")
-    + _rows("deepspeed", "swapped", "initialize", True, "DeepSpeedEngine")
-    + _rows("deepspeed", "swapped", "accelerate._routing", True, "initialize")
-    + _rows("deepspeed.utils.groups", "swapped", "dp_groups", True, "mpu")
-    + _rows("deepspeed.runtime.constants", "read", "config", True, "MANAGED_GRADIENT_ACCUMULATION")
-    # Every ZeRO optimizer (ZeROOptimizer) and ZeRO-3's parameter manager (DeepSpeedZeRoOffload).
-    + _rows("ZeROOptimizer", "called", "engine", True, "unregister_grad_acc_post_hooks clear_backward_seen_flag")
-    + _rows("DeepSpeedZeRoOffload", "called", "engine", True, "get_param_coordinator release_backward_leftovers")
-    # ZeRO-1/2.
-    + _rows(_Z12, "wrapped", "outside_use", True, "process_gradients")
-    + _rows(_Z12, "written", "buffers", True, "averaged_gradients all_grad_tensors _epilogue_ran_this_backward "
-            "_backward_active_depth params_already_reduced ipg_buckets")
-    + _rows(_Z12, "replaced", "stage12_reduce", False, "allreduce_and_copy_with_multiple_ranks")
-    + _rows(_Z12, "relied on", "stage12_reduce", False, "_add_to_grad_partition_buffer")
-    + _rows(_Z12, "called", "stage12_reduce", False, "allreduce_bucket")
-    + _rows(_Z12, "replaced", "stage12_bucket_pack", False, "reduce_independent_p_g_buckets_and_remove_grads "
-            "reduce_ipg_grads")
-    + _rows(_Z12, "replaced", "stage12_grad_view", False, "copy_grads_in_partition _get_preflattened_grad_partition "
-            "has_overflow_partitioned_grads_serial")
-    + _rows(_Z12, "relied on", "stage12_grad_view", False, "_has_inf_or_nan")
-    + _rows(_Z3, "read", "skip_group", True, "grad_partitions_flat_buffer")
-    + _rows(_Z12, "replaced", "stage12_overflow", False, "step check_overflow")
-    + _rows(_Z12, "relied on", "stage12_overflow", False, "_check_overflow has_overflow scaled_global_norm "
-            "get_grad_norm_direct")
-    + _rows(_Z12, "relied on", "stage12_hook_count", False, "create_gradient_handling_hooks "
-            "should_refresh_expected_hook_count reenter_backward_if_needed update_hook_state_and_maybe_run_epilogue")
-    + _rows(_Z12, "read", "stage12_*", False, "_grad_acc_hooks bit16_groups params_in_partition partition_size "
-            "grads_in_partition cpu_offload contiguous_gradients zenflow overlap_comm reduction_stream "
-            "dp_process_group gradient_average sequence_parallel_size compute_grad_norm check_grad_overflow "
-            "groups_lacking_loss_scale has_moe_layers model_parallel_group autoep_folding_tp_group "
-            "_offload_gradient_safety_enabled _max_expected_hooks_seen")
-    + _rows(_Z12, "written", "stage12_*", False, "grads_in_partition_offset overflow")
-    + _rows("deepspeed.runtime.zero.stage_1_and_2", "read", "stage12_reduce", False, "pg_correctness_test")
-    # ZeRO-3.
-    + _rows(_Z3, "wrapped", "outside_use", True, "reduce_ready_partitions_and_remove_grads")
-    + _rows(_Z3, "written", "buffers", True, "micro_step_id grad_partitions_flat_buffer _epilogue_ran_this_backward "
-            "_backward_active_depth params_already_reduced ipg_buckets")
-    + _rows(_Z3, "replaced", "stage3_partition", False, "partition_grads")
-    + _rows(_Z3, "replaced", "stage3_scatter", False, _MANGLED + "avg_scatter_grads")
-    + _rows(_Z3, "replaced", "stage3_grad_view", False, "_prepare_fp32_grad_for_sub_group")
-    + _rows(_Z3, "read", "stage3_*", False, _MANGLED + "param_id_to_grad_partition fp32_partitioned_groups_flat "
-            "averaged_gradients offload_optimizer _offload_boundary_param_ids all2all_process_group "
-            "postscale_gradients gradient_predivide_factor dtype gradient_accumulation_dtype "
-            "_get_param_partition_rank _get_param_partition_group _assert_same_partition_group "
-            "_autoep_expert_parallel_group")
-    + _rows("ZeRO-3 module", "read", "stage3_counters", True, "pre_bwd_fn applied_pre_backward_ref_cnt "
-            "ds_grads_remaining"))
+TOUCH_POINTS: Tuple[TouchPoint, ...] = _load_touch_points()
 
 # The ZeRO-optimizer methods each fast path replaces or relies on, by feature.
 FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
@@ -151,9 +100,20 @@ FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "stage3_grad_view": (_Z3, ("_prepare_fp32_grad_for_sub_group", )),
 }
 
-# sha256[:16] of each fast-path method's dedented source, in every supported DeepSpeed release
-# (``python -m deepspeed_multi.compat --sources`` prints the installed release's).
-CHECKED_SOURCES: Dict[str, frozenset] = {}  # filled below
+
+
+def _load_checked_sources() -> Dict[str, frozenset]:
+    """``{"Class.method": {hash, ...}}`` from checked_sources.tsv: the DeepSpeed release each
+    fast-path method's source was checked in, and the sha256[:16] of that source."""
+    found: Dict[str, set] = {}
+    for line in Path(__file__).with_name("checked_sources.tsv").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            _version, key, digest = line.split("\t")
+            found.setdefault(key, set()).add(digest)
+    return {key: frozenset(v) for key, v in found.items()}
+
+
+CHECKED_SOURCES: Dict[str, frozenset] = _load_checked_sources()
 
 
 # ------------------------------------------------------------------------ the version gate
@@ -259,7 +219,8 @@ def source_hash(func: Callable) -> str:
 
 
 def _unchanged(cls, name: str) -> bool:
-    return _checked(f"{cls.__name__}.{name}", getattr(cls, name))
+    func = getattr(cls, name, None)
+    return func is not None and _checked(f"{cls.__name__}.{name}", func)
 
 
 @functools.lru_cache(maxsize=None)
@@ -378,7 +339,8 @@ def checked_sources_of_installed() -> Dict[str, str]:
     for owner, names in FAST_PATH_METHODS.values():
         cls = _class(owner)
         for name in names:
-            found[f"{owner}.{name}"] = source_hash(getattr(cls, name))
+            func = getattr(cls, name, None)
+            found[f"{owner}.{name}"] = "<missing>" if func is None else source_hash(func)
     return found
 
 
@@ -394,59 +356,10 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-# Hashes of each fast-path method's source in the supported releases (SUPPORTED[0] .. SUPPORTED[1]).
-_SOURCES = """
-[2026-11-25
-03:23:42,122]
-[WARNING]
-[real_accelerator.py:213:get_accelerator]
-Setting
-accelerator
-to
-CPU.
-If
-you
-have
-GPU
-or
-other
-accelerator,
-we
-were
-unable
-to
-detect
-it.
-DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks=66e843aaa4d73a7e
-DeepSpeedZeroOptimizer._add_to_grad_partition_buffer=123259edc06387b8
-DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads=16168d030dd484b2
-DeepSpeedZeroOptimizer.reduce_ipg_grads=2d681fbe1aa9d760
-DeepSpeedZeroOptimizer.copy_grads_in_partition=b733740191ae5aaf
-DeepSpeedZeroOptimizer._get_preflattened_grad_partition=75f8c8cb089bda89
-DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial=6141630b8b450d74
-DeepSpeedZeroOptimizer._has_inf_or_nan=2e8af6dff1ba4732
-DeepSpeedZeroOptimizer.step=279ae7c6a4e87667
-DeepSpeedZeroOptimizer.check_overflow=f968102a73733534
-DeepSpeedZeroOptimizer._check_overflow=92e4d1664aacd1ac
-DeepSpeedZeroOptimizer.has_overflow=53a5fc9ff81a8853
-DeepSpeedZeroOptimizer.scaled_global_norm=2aa9e1d2b4a14133
-DeepSpeedZeroOptimizer.get_grad_norm_direct=8e1ffafc3841f46a
-DeepSpeedZeroOptimizer.create_gradient_handling_hooks=889a2e66c36cee2b
-DeepSpeedZeroOptimizer.should_refresh_expected_hook_count=c461b97dfb0b27e0
-DeepSpeedZeroOptimizer.reenter_backward_if_needed=6d631392103cefa9
-DeepSpeedZeroOptimizer.update_hook_state_and_maybe_run_epilogue=c6593fbb178290b6
-DeepSpeedZeroOptimizer_Stage3.partition_grads=f0eb8f336d6b607f
-DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads=68a732e031ce8bd1
-DeepSpeedZeroOptimizer_Stage3._prepare_fp32_grad_for_sub_group=4fdd58fb87e90466
-"""
-for _line in _SOURCES.split():
-    _key, _, _hash = _line.partition("=")
-    CHECKED_SOURCES[_key] = CHECKED_SOURCES.get(_key, frozenset()) | {_hash}
-
 if __name__ == "__main__":  # pragma: no cover - a maintenance command
     import sys
-    if "--sources" in sys.argv:
+    if "--sources" in sys.argv:  # lines for checked_sources.tsv, once each source is checked by hand
         for key, value in checked_sources_of_installed().items():
-            print(f"{key}={value}")
+            print(f"{installed_version()}\t{key}\t{value}")
     else:
         print(markdown_table())

@@ -53,6 +53,25 @@ def _check_fits(op: str, name: str, t: Tensor, offset: int, buf: str, capacity: 
         )
 
 
+def _check_parts(op: str, label: str, tensors: Sequence[Tensor], buf: str, flat: Tensor, written: bool) -> int:
+    """Check each of ``tensors`` against the flat buffer ``flat`` they are packed into or unpacked
+    from (dtype, device, room; contiguity where they are ``written`` in place); return their numel."""
+    offset = 0
+    for i, t in enumerate(tensors):
+        name = f"{label}[{i}]"
+        _check_dtype(op, name, t)
+        _check_device(op, name, t, buf, flat.device)
+        if written and not t.is_contiguous():
+            raise ValueError(
+                f"{op}: {_describe(name, t)} is not contiguous (strides {list(t.stride())}); it is "
+                f"written in place, so pass a contiguous tensor (e.g. make the gradient partition "
+                f"contiguous, or unpack into a contiguous buffer and copy_ it back)"
+            )
+        _check_fits(op, name, t, offset, buf, flat.numel())
+        offset += t.numel()
+    return offset
+
+
 def _nonfinite_flag(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     """0-dim float32: 1.0 if any element of ``tensors`` is inf/nan (max-abs propagates both)."""
     tensors = [t for t in tensors if t.numel() > 0]
@@ -66,13 +85,7 @@ def pack(tensors: Sequence[Tensor], out: Tensor, scale: float) -> Tensor:
     """Reference of :func:`deepspeed_multi.ops.pack`."""
     op = "pack"
     _check_flat(op, "out", out)
-    offset = 0
-    for i, t in enumerate(tensors):
-        name = f"tensors[{i}]"
-        _check_dtype(op, name, t)
-        _check_device(op, name, t, "out", out.device)
-        _check_fits(op, name, t, offset, "out", out.numel())
-        offset += t.numel()
+    offset = _check_parts(op, "tensors", tensors, "out", out, written=False)
     flat_out = out[:offset]
     if offset == 0:
         return _nonfinite_flag([], out.device)
@@ -86,19 +99,7 @@ def unpack_accumulate(src: Tensor, outs: Sequence[Tensor], scale: float, accumul
     """Reference of :func:`deepspeed_multi.ops.unpack_accumulate`."""
     op = "unpack_accumulate"
     _check_flat(op, "src", src)
-    offset = 0
-    for i, t in enumerate(outs):
-        name = f"outs[{i}]"
-        _check_dtype(op, name, t)
-        _check_device(op, name, t, "src", src.device)
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{op}: {_describe(name, t)} is not contiguous (strides {list(t.stride())}); it is "
-                f"written in place, so pass a contiguous tensor (e.g. make the gradient partition "
-                f"contiguous, or unpack into a contiguous buffer and copy_ it back)"
-            )
-        _check_fits(op, name, t, offset, "src", src.numel())
-        offset += t.numel()
+    offset = _check_parts(op, "outs", outs, "src", src, written=True)
     outs = [t for t in outs if t.numel() > 0]
     if not outs:
         return _nonfinite_flag([], src.device)

@@ -67,14 +67,15 @@ def check_overflow_by_norm(self, partition_gradients=True):
 
 def applies(optimizer) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from deepspeed.comm import pg_utils
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         return False
     params = (p for group in optimizer.bit16_groups for p in group)
-    return (not getattr(optimizer, "cpu_offload", True) and not getattr(optimizer, "has_moe_layers", True)
-            and not pg_utils.is_parallel(getattr(optimizer, "model_parallel_group", None))
-            and not any(getattr(p, "ds_pipe_replicated", False) for p in params)
-            and compat.fast_path_exact(optimizer, FEATURE))
+    if (getattr(optimizer, "cpu_offload", True) or getattr(optimizer, "has_moe_layers", True)
+            or any(getattr(p, "ds_pipe_replicated", False) for p in params)
+            or not compat.fast_path_exact(optimizer, FEATURE)):
+        return False
+    from deepspeed.comm import pg_utils  # reached only on the DeepSpeed whose step() was checked
+    return not pg_utils.is_parallel(getattr(optimizer, "model_parallel_group", None))
 
 
 def install(optimizer) -> bool:
