@@ -29,7 +29,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.15",
-        "deepspeed>=0.19.8,<0.20",
+        "deepspeed>=0.19.4,<=0.19.8",  # the supported window (compat.SUPPORTED)
         "ninja",
     ],
     extras_require={

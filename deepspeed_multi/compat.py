@@ -150,6 +150,9 @@ def _class(owner: str):
     if owner == "ZeROOptimizer":
         from deepspeed.runtime.base_optimizer import ZeROOptimizer
         return ZeROOptimizer
+    if owner == "PartitionedParameterCoordinator":
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+        return PartitionedParameterCoordinator
     if owner == "DeepSpeedZeRoOffload":
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
         return DeepSpeedZeRoOffload

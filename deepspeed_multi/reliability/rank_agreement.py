@@ -8,9 +8,8 @@ forever. Every rank therefore compares its backward count with the others' befor
 gradient collective, and all of them refuse the step together.
 
 The comparison is one all-reduce of two int64. Run synchronously at the top of ``step()`` it is
-one more synchronization point per update, which costs far more than its bytes: 2.3-3.7 ms per
-step on a 2-rank CPU run where the same all-reduce takes 0.28 ms on ranks already in step (a
-ZeRO-1 step of 88 ms went to 92-94 ms). So :meth:`RankAgreement.start` launches it
+one more synchronization point per update, which costs far more than its bytes (measured in
+benchmarks/PERFORMANCE.md, ``overhead.py --rank-agreement``). So :meth:`RankAgreement.start` launches it
 asynchronously when ``step()`` begins, and :meth:`RankAgreement.finish` waits for it as late as
 is safe: where the rank has nothing accumulated, at once (it must decide its path together with
 the others); otherwise right before the first gradient collective, after the rank-local work of

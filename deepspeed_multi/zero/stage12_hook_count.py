@@ -4,8 +4,8 @@
 DeepSpeed's gradient hook (``DeepSpeedZeroOptimizer.create_gradient_handling_hooks``) counts, at
 the first hook of every backward, how many of the engine's parameters the running backward will
 reach: ``count_used_parameters_in_backward`` finds each parameter's grad accumulator through an
-``enable_grad`` context and a ``view_as`` per parameter (1.6 ms per backward for 400 tensors on
-the 2-core CPU machine; 0.03 ms for the same count from kept accumulators). The count only feeds
+``enable_grad`` context and a ``view_as`` per parameter, every backward (the cost against the
+same count from kept accumulators: benchmarks/PERFORMANCE.md). The count only feeds
 DeepSpeed's hook-state bookkeeping for its own epilogue hooks, which MultiEngine unregisters and
 replaces with its graph-task callback (engine.py), but the bookkeeping stays as DeepSpeed keeps it.
 
