@@ -2,7 +2,7 @@
 replacement registry, and the package rules it makes checkable (single process).
 
 The end-to-end half (fast paths off over changed methods and outside the window, results exact)
-is tests/multi_gpu/test_compat.py.
+is tests/multi_gpu/test_compat_e2e.py.
 """
 import ast
 import logging

@@ -113,12 +113,18 @@ def _check():
 
     base, installed = _train()
     _assert_same(base, reference, "as installed vs PyTorch", exact=False)
-    assert "stage12_reduce" in installed[0] and "stage12_bucket_pack" in installed[1], installed
-    assert {"stage3_partition", "stage3_grad_view"} <= set(installed[2]), installed
-    assert not records.messages, records.messages
+    if compat.fast_paths_allowed():  # a DeepSpeed release the fast paths were checked on
+        assert "stage12_reduce" in installed[0] and "stage12_bucket_pack" in installed[1], installed
+        assert {"stage3_partition", "stage3_grad_view"} <= set(installed[2]), installed
+        assert not records.messages, records.messages
+    else:  # an older supported release: every fast path off, said once
+        assert installed == [[], [], []], installed
+        assert len(records.messages) == 1 and "were checked on" in records.messages[0], records.messages
 
     on = set().union(*installed)
     for feature, (owner, names) in compat.FAST_PATH_METHODS.items():
+        if not on:
+            break
         cls = compat._class(owner)
         saved = {name: vars(cls).get(name) for name in names}
         records.messages.clear()
