@@ -29,7 +29,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.15",
-        "deepspeed==0.19.8",  # the supported window (compat.SUPPORTED; README "Supported DeepSpeed releases")
+        "deepspeed>=0.19.4,<=0.19.8",  # the supported window (compat.SUPPORTED; README "Supported DeepSpeed releases")
         "ninja",
     ],
     extras_require={

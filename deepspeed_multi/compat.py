@@ -10,14 +10,23 @@ object.
 The design needs DeepSpeed's unmanaged gradient accumulation (``managed_gradient_accumulation``
 and the torch-style backward it comes with: ``_backward_prologue``/``_backward_epilogue`` that
 can run outside ``engine.backward``, ``unregister_grad_acc_post_hooks``,
-``clear_backward_seen_flag``, ``_epilogue_ran_this_backward``), first released in 0.19.4. Yet
-on 0.19.4-0.19.7 ZeRO-3 engines give wrong results under MultiEngine even with every fast path
-off (the correctness matrix's ZeRO-3 rows, measured; the cause is not yet found), so
-:data:`SUPPORTED` is 0.19.8 alone until they pass (``make test-oldest DS_OLDEST=0.19.x`` runs
-the core rows on another release). :func:`check_deepspeed` runs at
+``clear_backward_seen_flag``, ``_epilogue_ran_this_backward``), first released in 0.19.4, so
+:data:`SUPPORTED` is 0.19.4-0.19.8 (``make test`` runs the core rows on both ends). A supported
+release with a DeepSpeed bug that our engines expose gets a fix here (see [Note: fixes for
+supported releases]); the fast paths run only on the releases they were checked on (see
+:func:`fast_paths_allowed`). :func:`check_deepspeed` runs at
 ``initialize``: inside the window it passes; outside it raises, naming the installed and the
 supported versions and :data:`ALLOW_ENV`, which runs anyway with every fast path off after
 checking that each correctness-critical touch point is present.
+
+[Note: fixes for supported releases]
+``Init._allgather_params_coalesced`` (the synchronous gather of several ZeRO-3 parameters:
+``GatheredParameters``, our ``save_16bit_model`` path, every test's comparison) launches one
+async all-gather per parameter and, before 0.19.8, waits on the last one only. Gloo runs a
+process group's collectives on several threads, so the earlier ones may not have landed when
+the parameters are read: partitions of garbage, differing between runs (0.19.8 waits on each).
+On those releases :func:`apply_fixes` wraps the method so that each of its all-gathers is
+waited on as it is launched. Nothing else changes; on 0.19.8 nothing is installed.
 
 [Note: one exact-method check]
 A fast path replaces a DeepSpeed method with one that gives the same bits faster. It is right
@@ -55,7 +64,7 @@ from .switches import ALLOW_UNSUPPORTED_DEEPSPEED, switch_on
 logger = logging.getLogger(__name__)
 
 # First and last DeepSpeed release the package runs on (see [Note: the supported DeepSpeed window]).
-SUPPORTED = ("0.19.8", "0.19.8")
+SUPPORTED = ("0.19.4", "0.19.8")
 ALLOW_ENV = ALLOW_UNSUPPORTED_DEEPSPEED
 
 
@@ -156,6 +165,9 @@ def _class(owner: str):
     if owner == "PartitionedParameterCoordinator":
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
         return PartitionedParameterCoordinator
+    if owner == "Init":
+        from deepspeed.runtime.zero.partition_parameters import Init
+        return Init
     if owner == "DeepSpeedZeRoOffload":
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
         return DeepSpeedZeRoOffload
@@ -177,6 +189,7 @@ def missing_critical() -> List[str]:
 def check_deepspeed() -> None:
     """At initialize: run inside the supported window; outside it, raise unless :data:`ALLOW_ENV` is set."""
     version = installed_version()
+    apply_fixes(version)
     if in_window(version):
         return
     window = f"{SUPPORTED[0]} to {SUPPORTED[1]}"
@@ -194,6 +207,53 @@ def check_deepspeed() -> None:
             f"{window}.")
     logger.warning("deepspeed_multi: DeepSpeed %s is outside the supported window (%s); running because %s=1, "
                    "with every fast path off.", version, window, ALLOW_ENV)
+
+
+# Releases before this one wait on the last of _allgather_params_coalesced's handles only.
+_WAITS_EACH_GATHER = (0, 19, 8)
+
+
+class _WaitEachGather:
+    """``deepspeed.comm`` whose async all-gathers are waited on at launch; all else delegates."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _waited(self, fn, *args, **kwargs):
+        work = fn(*args, **kwargs)
+        if work is not None:
+            work.wait()
+        return work
+
+    def all_gather_into_tensor(self, *args, **kwargs):
+        return self._waited(self._comm.all_gather_into_tensor, *args, **kwargs)
+
+    def all_gather(self, *args, **kwargs):
+        return self._waited(self._comm.all_gather, *args, **kwargs)
+
+
+def _gather_waiting_each(original):
+    @functools.wraps(original)
+    def gather(self, *args, **kwargs):
+        from deepspeed.runtime.zero import partition_parameters as pp
+        with swapped(pp, "dist", _WaitEachGather(pp.dist)):
+            return original(self, *args, **kwargs)
+    gather._dsm_fix = True
+    return gather
+
+
+def apply_fixes(version: Optional[str] = None) -> List[str]:
+    """Install the fixes the installed release needs (see the Note); return their names. Idempotent."""
+    applied = []
+    if _version_tuple(version or installed_version())[:3] < _WAITS_EACH_GATHER:
+        from deepspeed.runtime.zero.partition_parameters import Init
+        if not getattr(Init._allgather_params_coalesced, "_dsm_fix", False):
+            Init._allgather_params_coalesced = _gather_waiting_each(Init._allgather_params_coalesced)
+        applied.append("Init._allgather_params_coalesced waits on each all-gather")
+    return applied
 
 
 def fast_paths_allowed() -> bool:

@@ -17,6 +17,7 @@ ranks are started with the ``spawn`` method.
 import faulthandler
 import os
 import queue
+import shutil
 import socket
 import tempfile
 import time
@@ -118,8 +119,10 @@ def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, ra
         if p.is_alive():
             p.kill()
         p.join(timeout=10)
-    return [{"exitcode": procs[r].exitcode if r in exited_at else None, "exited_at": exited_at.get(r),
-             "log": _tail(os.path.join(log_dir, f"rank{r}.log"), n=10**6)} for r in range(world_size)]
+    out = [{"exitcode": procs[r].exitcode if r in exited_at else None, "exited_at": exited_at.get(r),
+            "log": _tail(os.path.join(log_dir, f"rank{r}.log"), n=10**6)} for r in range(world_size)]
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return out
 
 
 def _tail(path, n=4000):
@@ -179,6 +182,7 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank
                 p.kill()
     logs = "\n".join(f"----- rank {r} log (tail) -----\n{_tail(os.path.join(log_dir, f'rank{r}.log'))}"
                      for r in range(world_size))
+    shutil.rmtree(log_dir, ignore_errors=True)
     if failure is not None:
         rank, tb = failure
         raise RanksFailed(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{tb}\n{logs}")

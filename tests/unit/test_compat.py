@@ -72,6 +72,45 @@ def test_every_critical_touch_point_is_present_in_the_installed_deepspeed():
     assert compat.missing_critical() == []
 
 
+# ------------------------------------------------------------------ fixes for supported releases
+class _Work:
+    def __init__(self, log, i):
+        self.log, self.i = log, i
+
+    def wait(self):
+        self.log.append(("wait", self.i))
+
+
+def test_the_gather_fix_is_installed_before_0_19_8_only_and_waits_on_each_gather(monkeypatch):
+    """[Note: fixes for supported releases]: before 0.19.8 each of _allgather_params_coalesced's
+    async all-gathers is waited on as it is launched (0.19.4-0.19.7 waited on the last only)."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+    log = []
+
+    class FakeComm:
+        def all_gather_into_tensor(self, out, inp, group=None, async_op=False):
+            log.append(("launch", len(log)))
+            return _Work(log, len(log) - 1)
+
+        def get_rank(self):
+            return 0
+
+    def coalesced(self, param_list, hierarchy=0, quantize=False):  # 0.19.7's shape: wait on the last only
+        handles = [pp.dist.all_gather_into_tensor(None, None, async_op=True) for _ in param_list]
+        handles[-1].wait()
+        return pp.dist.get_rank()
+
+    monkeypatch.setattr(pp, "dist", FakeComm())
+    monkeypatch.setattr(pp.Init, "_allgather_params_coalesced", coalesced)
+    assert compat.apply_fixes("0.19.8") == [] and pp.Init._allgather_params_coalesced is coalesced
+    assert compat.apply_fixes("0.19.5") and compat.apply_fixes("0.19.4")  # idempotent
+    fixed = pp.Init._allgather_params_coalesced
+    assert fixed is not coalesced and fixed.__wrapped__ is coalesced
+    assert fixed(None, [1, 2, 3]) == 0
+    assert log == [("launch", 0), ("wait", 0), ("launch", 2), ("wait", 2), ("launch", 4), ("wait", 4), ("wait", 4)]
+    assert isinstance(pp.dist, FakeComm), "the module's comm is put back after the call"
+
+
 # --------------------------------------------------------------------- the exact-method check
 def _fake_z12():
     opt = object.__new__(DeepSpeedZeroOptimizer)
