@@ -140,6 +140,11 @@ class Accelerator(accelerate.Accelerator):
         if "learning_rate" in kwargs:
             raise ValueError("accelerator.backward(learning_rate=...) (LOMO optimizers) is not supported with "
                              "DeepSpeed engines; use a regular optimizer and optimizer.step().")
+        if not kwargs.pop("scale_wrt_gas", True):
+            raise ValueError("accelerator.backward(loss, scale_wrt_gas=False): each engine divides by its own "
+                             "gradient_accumulation_steps, so a loss already divided would be divided twice. Under "
+                             "transformers.Trainer (which passes it), use deepspeed_multi.transformers.Trainer; in "
+                             "your own loop, pass the undivided loss.")
         # Each engine divides by its own gradient_accumulation_steps at its boundary.
         loss.backward(**kwargs)
 

@@ -32,18 +32,29 @@ class EngineOptimizer(AcceleratedOptimizer):
         self.engine = engine
         self.updates = 0          # updates applied through this wrapper (see [Note: one update, one scheduler step])
         self._skipped = False
+        self._stepped_early = False  # step_now() ran this window's update (deepspeed_multi.transformers)
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError(f"optimizer.step(closure) is not supported for DeepSpeed engine "
                              f"{type(self.engine.module).__name__}: DeepSpeed updates from the gradients of "
                              "the backward passes since the last update. Call the closure yourself, then step().")
+        if self._stepped_early:
+            self._stepped_early = False
+            return
         at_boundary = self.engine.is_update_boundary()
         before = _applied_updates(self.engine)
         self.engine.step()
         applied = _applied_updates(self.engine) > before
         self.updates += int(applied)
         self._skipped = at_boundary and not applied
+
+    def step_now(self):
+        """This window's update, now; the window's own ``step()`` call then does nothing (the
+        Trainer reads the window's gradient norm before it steps: [Note: the Trainer owns
+        gradient accumulation] in deepspeed_multi/transformers.py)."""
+        self.step()
+        self._stepped_early = True
 
     def zero_grad(self, set_to_none=None):
         """Discard the engine's gradients, except inside an accumulation window.

@@ -1,7 +1,8 @@
 """The gradient scale of an engine's region of the graph (see [Note: gradient scale] in autograd/boundary.py).
 
 f = 1 / gradient_accumulation_steps, times the current dynamic (or static) loss scale for fp16;
-f = 1 for an engine that trains nothing, whose gradients only pass through.
+f = 1 for an engine that trains nothing, whose gradients only pass through; no 1/gas when the
+caller (the Trainer) divided the loss itself.
 """
 
 
@@ -15,4 +16,6 @@ def loss_scale(engine) -> float:
 def factor(engine) -> float:
     if not engine.trains:
         return 1.0
+    if engine._caller_scales_loss:  # the Trainer divided the loss itself (deepspeed_multi/transformers.py)
+        return loss_scale(engine)
     return loss_scale(engine) / engine.gradient_accumulation_steps()
