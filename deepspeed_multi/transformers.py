@@ -4,6 +4,8 @@ One change for the user: ``from deepspeed_multi.transformers import Trainer`` in
 ``transformers.Trainer``, or ``multi_engine_trainer(DPOTrainer)`` for any Trainer subclass; the
 DeepSpeed config comes as before (``TrainingArguments(deepspeed=...)`` or ``accelerate launch``).
 The trainer then builds a :class:`TrainerAccelerator` instead of ``accelerate.Accelerator``.
+TRL's extra models get their own config with ``deepspeed_roles=`` (see [Note: a config per TRL
+role]).
 
 [Note: the Trainer owns gradient accumulation]
 ``Trainer`` runs its own accumulation: it divides each micro-batch's loss by its accumulation
@@ -19,17 +21,34 @@ since its last update, and applies no 1/gas of its own (its loss scale for fp16 
 ``gradient_clipping``) inside the update, so the update runs there, and the following
 ``optimizer.step()`` of that window does nothing, as under upstream DeepSpeed, where Accelerate
 updates inside ``backward``.
+
+[Note: a config per TRL role]
+TRL's trainers build their extra models (the reference of DPO/GRPO/RLOO/KTO, GRPO's and RLOO's
+reward models, the distillation teachers) with ``trl.models.prepare_deepspeed``, which copies
+the policy's config, forces stage 0 unless the policy is at ZeRO-3 and calls
+``deepspeed.initialize`` itself, so no role can have its own stage. A trainer built by
+:func:`multi_engine_trainer` takes ``deepspeed_roles={"ref_model" | "reward_funcs" |
+"teacher_model": config}``; while its ``__init__`` runs, the ``prepare_deepspeed`` that its TRL
+module calls is swapped (``compat.swapped``, nothing copied) for one that prepares the model of a
+named role through this Accelerator, frozen and without an optimizer, with the policy's config
+(less its optimizer, scheduler and optimizer offload) under the role's. The engine then stays in
+the Accelerator for the whole run (``free_memory`` keeps it). A model whose role is not named
+gets TRL's own treatment.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import math
+import sys
 
 import torch
 
 from . import compat
 from .accelerate.accelerator import Accelerator
 from .accelerate.wrappers import EngineOptimizer
+from .config import load_config
 from .engine import MultiEngine
 
 
@@ -93,6 +112,15 @@ class TrainerAccelerator(Accelerator):
         return torch.as_tensor(float(norm))
 
 
+    def free_memory(self, *objects):
+        """Accelerate's ``free_memory`` (the Trainer calls it as ``train()`` starts); the models of
+        TRL roles, prepared in the trainer's ``__init__``, stay held for the whole run."""
+        roles = [m for m in self._models if getattr(m, "_dsm_role", None)]
+        out = super().free_memory(*objects)
+        self._models.extend(roles)
+        return out
+
+
 def caller_owns_accumulation(engine: MultiEngine) -> None:
     """``engine`` updates at every ``step()`` and leaves the 1/gas to its caller (see the Note)."""
     if engine._window_backwards or engine._window_micro_steps:
@@ -100,6 +128,74 @@ def caller_owns_accumulation(engine: MultiEngine) -> None:
                            "pass; prepare the model before training it.")
     engine._user_managed_boundary = True
     engine._caller_scales_loss = True
+
+
+# ---------------------------------------------------------------------------- TRL roles
+ROLES = ("ref_model", "reward_funcs", "teacher_model")
+
+
+def _role_of(trainer, model) -> str:
+    if model is getattr(trainer, "ref_model", None):
+        return "ref_model"
+    if any(model is f for f in getattr(trainer, "reward_funcs", None) or ()):
+        return "reward_funcs"
+    if model is getattr(trainer, "model", None):
+        return "model"
+    return "teacher_model"  # the distillation trainers pass it before assigning it
+
+
+def _merged(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def role_config(accelerator, role_config: dict) -> dict:
+    """The policy's DeepSpeed config without its training-only sections, with ``role_config`` over it."""
+    base = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    base.pop("optimizer", None)
+    base.pop("scheduler", None)
+    base.get("zero_optimization", {}).pop("offload_optimizer", None)
+    return _merged(base, load_config(role_config))
+
+
+def _prepare_role(trainer, original):
+    """TRL's ``prepare_deepspeed`` for a trainer built with ``deepspeed_roles`` ([Note: a config per TRL role])."""
+    def prepare_deepspeed(model, accelerator):
+        role = _role_of(trainer, model)
+        given = trainer._dsm_roles.get(role)
+        if given is None:
+            return original(model, accelerator)
+        model.requires_grad_(False)
+        engine = accelerator.prepare(model, deepspeed_plugin=role_config(accelerator, given))
+        engine._dsm_role = role
+        engine.eval()
+        return engine
+    return prepare_deepspeed
+
+
+def _init(self, *args, deepspeed_roles=None, **kwargs):
+    roles = dict(deepspeed_roles or {})
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown:
+        raise ValueError(f"{type(self).__name__}(deepspeed_roles=...): unknown role(s) {unknown}; the roles are "
+                         f"{list(ROLES)} (the trainer's reference, reward and teacher models).")
+    self._dsm_roles = roles
+    modules = {sys.modules[c.__module__] for c in type(self).__mro__
+               if "prepare_deepspeed" in vars(sys.modules.get(c.__module__, object()))}
+    if roles and not modules:
+        raise ValueError(f"{type(self).__name__}(deepspeed_roles=...): this trainer prepares no extra models "
+                         "with DeepSpeed (it does not use TRL's prepare_deepspeed); drop deepspeed_roles.")
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(compat.swapped(module, "prepare_deepspeed",
+                                               _prepare_role(self, module.prepare_deepspeed)))
+        self._dsm_base.__init__(self, *args, **kwargs)
+    for role in roles:
+        if role != "teacher_model" and not getattr(self, role, None):
+            raise ValueError(f"{type(self).__name__}(deepspeed_roles={{{role!r}: ...}}): this trainer has no "
+                             f"{role} (it is None or absent here); drop that role.")
 
 
 def _create_accelerator_and_postprocess(self):
@@ -121,6 +217,7 @@ def multi_engine_trainer(cls):
         "__doc__": f"{cls.__name__} whose DeepSpeed models are MultiEngines (deepspeed_multi.transformers).",
         "__module__": __name__,
         "_dsm_base": cls,
+        "__init__": _init,
         "create_accelerator_and_postprocess": _create_accelerator_and_postprocess,
     })
 

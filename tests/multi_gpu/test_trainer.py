@@ -24,3 +24,16 @@ def test_trainer_save_resume_and_from_pretrained():
 def _both():
     checks.save_resume_and_from_pretrained(2)
     checks.save_resume_and_from_pretrained(3)
+
+
+def test_trl_dpo_and_grpo_with_per_role_configs():
+    """TRL's DPOTrainer (gas 1, 2) and GRPOTrainer (policy ZeRO-2 gas 1 with a reward model, policy ZeRO-3
+    gas 2 generating) through multi_engine_trainer, the reference (and reward model) at ZeRO-3 via
+    deepspeed_roles, against the same TRL trainers under DDP: losses, grad_norm, LR, weights exact."""
+    pytest.importorskip("trl")
+    run_distributed(_trl, timeout_s=400)
+
+
+def _trl():
+    checks.dpo_vs_ddp((1, 2))
+    checks.grpo_vs_ddp()

@@ -174,3 +174,134 @@ def save_resume_and_from_pretrained(stage, gas=2):
     assert [h["step"] for h in resumed] == [h["step"] for h in whole], (resumed, whole)
     compare((resumed, rweights), (whole, weights), f"ZeRO-{stage} resumed at step 2")
     return dist.get_rank()
+
+
+# --------------------------------------------------------------------------------- TRL: DPO
+def word_tokenizer():
+    """A tokenizer over the tiny Llama's vocabulary, built locally (nothing is downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_models import VOCAB
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def preference_data(n=32, seed=3):
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(seed)
+
+    def words(k):
+        return " ".join(f"w{int(i)}" for i in torch.randint(3, 64, (k,), generator=g))
+    rows = [{"prompt": words(4), "chosen": words(3), "rejected": words(3)} for _ in range(n)]
+    return Dataset.from_list(rows)
+
+
+def run_dpo(trainer_cls, gas, deepspeed=None, roles=None):
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from trl import DPOConfig
+    reset_accelerate()
+    _clear_ds_env()
+    torch.manual_seed(0)
+    policy, reference = causal_lm(), causal_lm()
+    reference.load_state_dict(policy.state_dict())
+    args = DPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=MICRO_BS, gradient_accumulation_steps=gas,
+                     learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=0.5,
+                     num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                     seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True, beta=0.5,
+                     deepspeed=copy.deepcopy(deepspeed))
+    kw = {} if roles is None else {"deepspeed_roles": roles}
+    trainer = trainer_cls(model=policy, ref_model=reference, args=args, train_dataset=preference_data(),
+                          processing_class=word_tokenizer(), **kw)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    weights = _full_weights(trainer)
+    unset_hf_deepspeed_config()
+    _clear_ds_env()
+    return logs, weights, trainer
+
+
+def dpo_vs_ddp(gases=(1, 2)):
+    """DPO with the reference at ZeRO-3 beside a ZeRO-2 policy (deepspeed_roles) against DDP DPO."""
+    from trl import DPOTrainer
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    for gas in gases:
+        want = run_dpo(DPOTrainer, gas)
+        logs, weights, trainer = run_dpo(multi_engine_trainer(DPOTrainer), gas, deepspeed=ds_config(2, gas, None),
+                                         roles={"ref_model": {"zero_optimization": {"stage": 3}}})
+        engines = trainer.accelerator.engines()
+        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in engines)
+        assert stages == [(False, 3), (True, 2)], f"engines held by the Accelerator (trains, stage): {stages}"
+        assert trainer.ref_model in engines and trainer.ref_model.zero_optimization_stage() == 3
+        compare((logs, weights), want[:2], f"DPO gas {gas}, policy ZeRO-2, reference ZeRO-3")
+    return dist.get_rank()
+
+
+# -------------------------------------------------------------------------------- TRL: GRPO
+def _prompts(n=16, seed=5):
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(seed)
+    return Dataset.from_list([{"prompt": " ".join(f"w{int(i)}" for i in torch.randint(3, 64, (4,), generator=g))}
+                              for _ in range(n)])
+
+
+def _reward_small_ids(completions, **kw):
+    """Rewards completions made of small token ids (a smooth, learnable preference)."""
+    return [-sum(int(w[1:]) for w in c.split() if w.startswith("w")) / 64.0 for c in completions]
+
+
+def run_grpo(trainer_cls, gas, policy_dir, deepspeed=None, roles=None, reward_dir=None):
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from trl import GRPOConfig
+    reset_accelerate()
+    _clear_ds_env()
+    torch.manual_seed(0)
+    args = GRPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
+                      num_generations=4, max_completion_length=4, learning_rate=2e-2, lr_scheduler_type="linear",
+                      warmup_steps=0, max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no",
+                      report_to=[], use_cpu=True, bf16=False, seed=0, data_seed=0, disable_tqdm=True, beta=0.1,
+                      temperature=1.0, deepspeed=copy.deepcopy(deepspeed))
+    kw = {} if roles is None else {"deepspeed_roles": roles}
+    rewards = [_reward_small_ids] + ([reward_dir] if reward_dir else [])
+    if reward_dir:
+        kw["reward_processing_classes"] = [None, word_tokenizer()]
+    trainer = trainer_cls(model=policy_dir, reward_funcs=rewards, args=args, train_dataset=_prompts(),
+                          processing_class=word_tokenizer(), **kw)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    weights = _full_weights(trainer)
+    unset_hf_deepspeed_config()
+    _clear_ds_env()
+    return logs, weights, trainer
+
+
+def grpo_vs_ddp(cases=((2, 1, True), (3, 2, False))):
+    """GRPO (generation, a reference for the KL term at ZeRO-3 via deepspeed_roles, optionally a reward
+    model at ZeRO-3 too) against DDP GRPO; ``cases``: (policy stage, gas, with a reward model)."""
+    from trl import GRPOTrainer
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    from hf_models import scorer
+    root = _shared_tmp()
+    policy_dir, reward_dir = os.path.join(root, "policy"), os.path.join(root, "reward")
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        causal_lm().save_pretrained(policy_dir)
+        scorer().save_pretrained(reward_dir)
+    dist.barrier()
+    z3 = {"zero_optimization": {"stage": 3}}
+    for stage, gas, reward_model in cases:
+        reward = reward_dir if reward_model else None
+        want = run_grpo(GRPOTrainer, gas, policy_dir, reward_dir=reward)
+        roles = {"ref_model": z3, **({"reward_funcs": z3} if reward_model else {})}
+        logs, weights, trainer = run_grpo(multi_engine_trainer(GRPOTrainer), gas, policy_dir,
+                                          deepspeed=ds_config(stage, gas, None), roles=roles, reward_dir=reward)
+        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in trainer.accelerator.engines())
+        assert stages == [(False, 3)] * (1 + reward_model) + [(True, stage)], \
+            f"engines held by the Accelerator (trains, stage): {stages}"
+        compare((logs, weights), want[:2], f"GRPO gas {gas}, policy ZeRO-{stage}, reference ZeRO-3"
+                                           f"{', reward model ZeRO-3' if reward_model else ''}")
+    return dist.get_rank()

@@ -22,3 +22,30 @@ def test_one_class_per_trainer_class_built_once():
 def test_not_a_trainer_is_refused(bad):
     with pytest.raises(TypeError, match="expected transformers.Trainer or a subclass"):
         dsm_transformers.multi_engine_trainer(bad)
+
+
+def test_unknown_role_is_refused_before_anything_is_built():
+    with pytest.raises(ValueError, match=r"unknown role\(s\) \['critic'\].*ref_model"):
+        dsm_transformers.Trainer(deepspeed_roles={"critic": {"zero_optimization": {"stage": 3}}})
+
+
+def test_roles_for_a_trainer_without_extra_models_are_refused():
+    with pytest.raises(ValueError, match="prepares no extra models"):
+        dsm_transformers.Trainer(deepspeed_roles={"ref_model": {"zero_optimization": {"stage": 3}}})
+
+
+def test_role_config_inherits_the_policy_config_less_its_training_sections():
+    class State:
+        class deepspeed_plugin:
+            deepspeed_config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                                "scheduler": {"type": "WarmupLR"}, "gradient_clipping": 1.0,
+                                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                                      "reduce_bucket_size": 100}}
+
+    class Acc:
+        state = State
+
+    cfg = dsm_transformers.role_config(Acc, {"zero_optimization": {"stage": 3}})
+    assert cfg == {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                   "zero_optimization": {"stage": 3, "reduce_bucket_size": 100}}
+    assert "optimizer" in State.deepspeed_plugin.deepspeed_config  # the policy's own config is untouched
