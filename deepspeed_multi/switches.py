@@ -15,12 +15,14 @@ ZERO12_OVERFLOW_BY_NORM = "DSM_ZERO12_OVERFLOW_BY_NORM"  # the norm's all-reduce
 CHECK_RANK_AGREEMENT = "DSM_CHECK_RANK_AGREEMENT"  # ZeRO-0/1 per-update backward-count comparison
 # DeepSpeed outside the supported window: run anyway, every fast path off (compat.check_deepspeed).
 ALLOW_UNSUPPORTED_DEEPSPEED = "DSM_ALLOW_UNSUPPORTED_DEEPSPEED"
+# Transformers/TRL releases other than the tested ones under deepspeed_multi.transformers: run anyway.
+ALLOW_UNTESTED_TRAINERS = "DSM_ALLOW_UNTESTED_TRAINERS"
 # The fused ops (deepspeed_multi.ops): backend "auto" | "extension" | "reference", and build directory.
 FUSED_REDUCE_BACKEND = "DSM_FUSED_REDUCE"
 BUILD_DIR = "DSM_BUILD_DIR"
 
 ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, CHECK_RANK_AGREEMENT,
-       ALLOW_UNSUPPORTED_DEEPSPEED, FUSED_REDUCE_BACKEND, BUILD_DIR)
+       ALLOW_UNSUPPORTED_DEEPSPEED, ALLOW_UNTESTED_TRAINERS, FUSED_REDUCE_BACKEND, BUILD_DIR)
 
 
 def switch_on(name: str, default: bool = True) -> bool:

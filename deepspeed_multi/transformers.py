@@ -50,6 +50,10 @@ from .accelerate.accelerator import Accelerator
 from .accelerate.wrappers import EngineOptimizer
 from .config import load_config
 from .engine import MultiEngine
+from .switches import ALLOW_UNTESTED_TRAINERS, switch_on
+
+# The releases (major.minor) deepspeed_multi.transformers was measured with (tests/multi_gpu/test_trainer.py).
+TESTED = {"transformers": "5.23", "trl": "1.16"}
 
 
 class TrainerAccelerator(Accelerator):
@@ -204,6 +208,20 @@ def _create_accelerator_and_postprocess(self):
         return self._dsm_base.create_accelerator_and_postprocess(self)
 
 
+def check_versions(cls) -> None:
+    """The Trainer code paths this module relies on are those of the tested releases (TESTED)."""
+    import importlib.metadata as md
+    packages = ["transformers"] + (["trl"] if cls.__module__.split(".")[0] == "trl" else [])
+    for package in packages:
+        installed = md.version(package)
+        if ".".join(installed.split(".")[:2]) != TESTED[package] and not switch_on(ALLOW_UNTESTED_TRAINERS, False):
+            raise RuntimeError(
+                f"deepspeed_multi.transformers was tested with {package} {TESTED[package]}.x; this environment has "
+                f"{package} {installed}. Install {package}=={TESTED[package]}.* (pip install 'deepspeed_multi[trl]'), "
+                f"or set {ALLOW_UNTESTED_TRAINERS}=1 to run {cls.__name__} anyway (compare its losses with a DDP run "
+                "first: the Trainer's accumulation and clipping calls are what this integration depends on).")
+
+
 @functools.lru_cache(maxsize=None)
 def multi_engine_trainer(cls):
     """``cls`` (``transformers.Trainer`` or a subclass, e.g. TRL's ``DPOTrainer``) on MultiEngines.
@@ -213,6 +231,7 @@ def multi_engine_trainer(cls):
     import transformers
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise TypeError(f"multi_engine_trainer: expected transformers.Trainer or a subclass of it, got {cls!r}.")
+    check_versions(cls)
     return type(f"MultiEngine{cls.__name__}", (cls,), {
         "__doc__": f"{cls.__name__} whose DeepSpeed models are MultiEngines (deepspeed_multi.transformers).",
         "__module__": __name__,

@@ -49,3 +49,19 @@ def test_role_config_inherits_the_policy_config_less_its_training_sections():
     assert cfg == {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
                    "zero_optimization": {"stage": 3, "reduce_bucket_size": 100}}
     assert "optimizer" in State.deepspeed_plugin.deepspeed_config  # the policy's own config is untouched
+
+
+def test_an_untested_transformers_or_trl_is_refused_with_the_fix(monkeypatch):
+    import importlib.metadata as md
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda p: "5.99.0" if p == "transformers" else real(p))
+    monkeypatch.delenv("DSM_ALLOW_UNTESTED_TRAINERS", raising=False)
+
+    class Another(transformers.Trainer):
+        pass
+
+    with pytest.raises(RuntimeError, match=r"tested with transformers 5\.23\.x; this environment has transformers "
+                                           r"5\.99\.0.*DSM_ALLOW_UNTESTED_TRAINERS=1"):
+        dsm_transformers.multi_engine_trainer(Another)
+    monkeypatch.setenv("DSM_ALLOW_UNTESTED_TRAINERS", "1")
+    assert issubclass(dsm_transformers.multi_engine_trainer(Another), Another)
