@@ -17,8 +17,8 @@ DS_OLDEST ?= 0.19.4
 VENV_OLDEST ?= .venv-ds-oldest
 PY_OLDEST := $(VENV_OLDEST)/bin/python
 STAMP_OLDEST := $(VENV_OLDEST)/.installed
-# The correctness matrix's core rows, the fuzzer's fixed seeds and the Accelerate loops.
-CORE_ROWS := chain-z0 or chain-z1 or chain-z2 or chain-z3 or frozen-z3 or distill-z2 or rlhf or llava-z3 or twice-z3 or step-z1 or partial-z3
+# The correctness matrix's core groups (marked "core": tests/multi_gpu/scenarios.py, CORE), the
+# fuzzer's fixed seeds and the Accelerate loops.
 OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_fuzz.py tests/multi_gpu/test_accelerate.py
 
 .PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi demo bench fuzz clean
@@ -42,7 +42,7 @@ $(STAMP_OLDEST): setup.py Makefile requirements-test.txt
 	$(PY_OLDEST) -m pip install -q --upgrade pip
 	$(PY_OLDEST) -m pip install -q "$(TORCH_SPEC)"
 	printf '%s\n' "$(TORCH_SPEC)" "deepspeed==$(DS_OLDEST)" > $(VENV_OLDEST)/constraint.txt
-	grep -v '^deepspeed' requirements-test.txt > $(VENV_OLDEST)/requirements.txt
+	grep -v '^deepspeed\|^trl\|^peft' requirements-test.txt > $(VENV_OLDEST)/requirements.txt
 	$(PY_OLDEST) -m pip install -q -c $(VENV_OLDEST)/constraint.txt "deepspeed==$(DS_OLDEST)" -r $(VENV_OLDEST)/requirements.txt
 	$(PY_OLDEST) -m pip install -q --no-deps -e .
 	$(PY_OLDEST) -c "import torch, deepspeed; assert deepspeed.__version__ == '$(DS_OLDEST)', deepspeed.__version__; print('oldest: torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
@@ -58,7 +58,7 @@ test-newest: setup
 test-oldest: setup-oldest
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV_OLDEST))/torch_extensions \
 	  DSM_BUILD_DIR=$(abspath $(VENV_OLDEST))/dsm_build \
-	  $(PY_OLDEST) -m pytest $(OLDEST_TESTS) -k "not test_matrix or $(CORE_ROWS)"
+	  $(PY_OLDEST) -m pytest $(OLDEST_TESTS) -m "core or not matrix"
 
 test-unit: setup
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests/unit

@@ -524,12 +524,30 @@ def _check_refused(name, initialize):
     raise AssertionError(f"{name}: expected a clear RuntimeError ({EXPECTED_ERRORS[name]!r}), but it ran")
 
 
+# The correctness matrix's core groups: what `make test` also runs on the oldest supported
+# DeepSpeed (Makefile, test-oldest, selects them by the pytest mark "core"; test_matrix.py).
+CORE = ("chain-z0", "chain-z1", "chain-z2", "chain-z3", "frozen-z3", "distill-z2", "rlhf-rlhf-4-engines", "llava-z3",
+        "twice-z3", "step-z1", "partial-z3")
+
+
 def groups():
-    """Scenario names grouped so that each group runs in one set of processes (start-up is costly)."""
+    """Scenario names grouped so that each group runs in one set of processes (start-up is costly).
+
+    A family (the name's first word and stage, e.g. chain-z2) of four or more scenarios, a core
+    family and a family without a stage are a group each; the smaller families of one stage share
+    a group (features-z1), so the matrix starts about 30 sets of processes rather than 70.
+    """
     import re
-    out = {}
+    families = {}
     for name in SCENARIOS:
         match = re.search(r"z\d", name)
         key = name.split("-")[0] + ("-" + match.group(0) if match else "-" + name)
-        out.setdefault(key, []).append(name)
+        families.setdefault(key, []).append(name)
+    out = {}
+    for key, names in families.items():
+        stage = re.search(r"-(z\d)$", key)
+        if len(names) >= 4 or key in CORE or stage is None:
+            out[key] = names
+        else:
+            out.setdefault(f"features-{stage.group(1)}", []).extend(names)
     return out

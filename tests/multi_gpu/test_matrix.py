@@ -9,9 +9,11 @@ import scenarios
 from harness import run_distributed
 
 GROUPS = scenarios.groups()
+pytestmark = pytest.mark.matrix
 
 
-@pytest.mark.parametrize("group", sorted(GROUPS))
+@pytest.mark.parametrize("group", [pytest.param(g, marks=[pytest.mark.core] if g in scenarios.CORE else [])
+                                   for g in sorted(GROUPS)])
 def test_matrix(group):
     names = GROUPS[group]
     world_size = scenarios.SCENARIOS[names[0]]().world_size
