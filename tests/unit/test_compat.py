@@ -15,6 +15,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from deepspeed_multi import compat
 from deepspeed_multi.zero import stage12_reduce
+from fake_zero import fake
 
 PACKAGE = Path(compat.__file__).resolve().parent
 ROOT = PACKAGE.parent
@@ -112,10 +113,8 @@ def test_the_gather_fix_is_installed_before_0_19_8_only_and_waits_on_each_gather
 
 
 # --------------------------------------------------------------------- the exact-method check
-def _fake_z12():
-    opt = object.__new__(DeepSpeedZeroOptimizer)
-    vars(opt).update(cpu_offload=False, zenflow=False)
-    return opt
+def _fake_z12(cls=DeepSpeedZeroOptimizer):
+    return fake(cls, cpu_offload=False, zenflow=False)
 
 
 def test_fast_paths_are_allowed_exactly_where_the_installed_sources_were_checked():
@@ -160,8 +159,7 @@ def test_an_override_is_left_alone_silently(caplog):
         def allreduce_and_copy_with_multiple_ranks(self, *args, **kwargs):
             return None
 
-    opt = object.__new__(Custom)
-    vars(opt).update(cpu_offload=False, zenflow=False)
+    opt = _fake_z12(Custom)
     with caplog.at_level(logging.WARNING, logger="deepspeed_multi.compat"):
         assert not stage12_reduce.install(opt)
     assert not caplog.records
@@ -205,6 +203,14 @@ def test_no_method_is_replaced_outside_the_compat_layer():
                  if p.name not in ("compat.py", "graph.py")
                  for i, line in enumerate(text.splitlines(), 1) if pattern.search(line) and not line.strip().startswith(("#", "``"))]
     assert not offenders, f"bind methods only through compat.replace_method, torch._C only in autograd/graph.py: {offenders}"
+
+
+def test_fake_optimizers_are_built_in_one_place():
+    """Tests build fake ZeRO optimizers only through fake_zero.fake, which checks every attribute it
+    sets against the touch-point table: no second list of DeepSpeed's names in the tests."""
+    here, needle = Path(__file__).parent, "object.__new__" + "("  # (split, or this file would match itself)
+    offenders = [p.name for p in here.rglob("*.py") if p.name != "fake_zero.py" and needle in p.read_text()]
+    assert not offenders, offenders
 
 
 def test_environment_switches_are_read_in_one_place():

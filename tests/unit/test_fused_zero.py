@@ -1,7 +1,7 @@
 """zero.install_fused: which optimizers it changes, the consecutive-view detection, and the fused
 ZeRO-3/ZeRO-2 passes against DeepSpeed's own methods (single process, no distributed init).
 
-The optimizers are built with ``object.__new__`` and only the attributes the methods read, so
+The optimizers are fakes (fake_zero.py) with only the attributes the methods read, so
 no process group is needed; the originals run on the same fakes as the oracle.
 """
 import math
@@ -16,6 +16,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed_multi import compat, switches
 from deepspeed_multi.zero import install_fused, stage3_partition, stage12_reduce
 from deepspeed_multi.zero.runs import consecutive_runs, flat_run
+from fake_zero import fake
 
 Z3_BUFFERS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -33,28 +34,16 @@ def install(opt) -> bool:
 
 
 # ------------------------------------------------------------------------------ fake optimizers
-def fake_z3(offload=False, zenflow=False):
-    opt = object.__new__(DeepSpeedZeroOptimizer_Stage3)
-    opt.offload_optimizer = offload
-    opt.swap_optimizer = False
-    opt.zenflow = zenflow
-    opt.micro_step_id = 0
-    opt.gradient_accumulation_dtype = torch.float32
-    opt._offload_boundary_param_ids = set()
-    setattr(opt, Z3_BUFFERS, {})
-    return opt
+def fake_z3(offload=False, zenflow=False, cls=DeepSpeedZeroOptimizer_Stage3):
+    return fake(cls, offload_optimizer=offload, zenflow=zenflow, micro_step_id=0,
+                gradient_accumulation_dtype=torch.float32, _offload_boundary_param_ids=set(),
+                oracle={"swap_optimizer": False}, **{Z3_BUFFERS: {}})
 
 
 def fake_z2(partition_gradients=True, cpu_offload=False, zenflow=False):
-    opt = object.__new__(DeepSpeedZeroOptimizer)
-    opt.partition_gradients = partition_gradients
-    opt.cpu_offload = cpu_offload
-    opt.zenflow = zenflow
-    opt.overlap_comm = False
-    opt.dp_process_group = None
-    opt.sequence_parallel_size = 1
-    opt.gradient_average = True
-    return opt
+    return fake(DeepSpeedZeroOptimizer, cpu_offload=cpu_offload, zenflow=zenflow, overlap_comm=False,
+                dp_process_group=None, sequence_parallel_size=1, gradient_average=True,
+                oracle={"partition_gradients": partition_gradients})
 
 
 class FakeParam:
@@ -137,8 +126,7 @@ def test_install_refuses_subclass_override():
         def partition_grads(self, params_to_release, grad_partitions):
             return []
 
-    opt = object.__new__(Custom)
-    vars(opt).update(vars(fake_z3()))
+    opt = fake_z3(cls=Custom)
     assert install(opt) is False
     assert "partition_grads" not in vars(opt)
 

@@ -1,6 +1,6 @@
 """zero12_step: the partition's gradients land in parameter order, and where it installs.
 
-Single process, on fake ZeRO-1/2 optimizers built with ``object.__new__`` that run DeepSpeed's own
+Single process, on fake ZeRO-1/2 optimizers (fake_zero.py) that run DeepSpeed's own
 ``copy_grads_in_partition`` underneath ours: whatever the order in which reductions finish, the
 buffer ends up in ``params_in_partition`` order, so the partition's list is one run and the view
 holds what DeepSpeed's flatten would. The update itself, against the flatten and plain PyTorch on
@@ -17,21 +17,16 @@ from hypothesis import strategies as st
 
 from deepspeed_multi.zero import stage12_grad_view as zero12_step
 from deepspeed_multi.zero.runs import run_view
+from fake_zero import fake
 
 
 def _fake(group_sizes, cpu_offload=False, contiguous=True):
-    opt = object.__new__(DeepSpeedZeroOptimizer)
-    opt.cpu_offload = cpu_offload
-    opt.contiguous_gradients = contiguous
-    opt.use_grad_accum_attribute = False
-    opt.gradient_accumulation_dtype = torch.float32
-    opt.dtype = torch.float32  # fp32 weights: not DeepSpeed's compact fp32 buffer of 16-bit weights
-    opt.grads_in_partition = None
-    opt.grads_in_partition_offset = 0
-    opt.bit16_groups = [[torch.nn.Parameter(torch.zeros(n)) for n in sizes] for sizes in group_sizes]
-    opt.params_in_partition = opt.bit16_groups
-    opt.param_id = {id(p): i for i, p in enumerate(p for g in opt.bit16_groups for p in g)}
-    return opt
+    groups = [[torch.nn.Parameter(torch.zeros(n)) for n in sizes] for sizes in group_sizes]
+    # dtype fp32: fp32 weights, not DeepSpeed's compact fp32 buffer of 16-bit weights.
+    return fake(DeepSpeedZeroOptimizer, cpu_offload=cpu_offload, contiguous_gradients=contiguous, dtype=torch.float32,
+                grads_in_partition=None, grads_in_partition_offset=0, bit16_groups=groups, params_in_partition=groups,
+                oracle=dict(use_grad_accum_attribute=False, gradient_accumulation_dtype=torch.float32,
+                            param_id={id(p): i for i, p in enumerate(p for g in groups for p in g)}))
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,6 +1,6 @@
 """stage12_overflow: where the norm is let decide overflow, and that only step()'s own check defers.
 
-Single process, on fake ZeRO-1/2 optimizers built with ``object.__new__``. The decisions
+Single process, on fake ZeRO-1/2 optimizers (fake_zero.py). The decisions
 themselves, against DeepSpeed's flag and plain PyTorch on 2 ranks, are
 tests/multi_gpu/test_zero12_overflow.py.
 """
@@ -13,20 +13,14 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from deepspeed_multi import compat
 from deepspeed_multi.zero import stage12_overflow as zero12_overflow
+from fake_zero import fake
 
 
 def _fake(**overrides):
-    opt = object.__new__(DeepSpeedZeroOptimizer)
-    opt.cpu_offload = False
-    opt.has_moe_layers = False
-    opt.model_parallel_group = None
-    opt.compute_grad_norm = True
-    opt.check_grad_overflow = True
-    opt.groups_lacking_loss_scale = set()
-    opt.bit16_groups = [[torch.nn.Parameter(torch.zeros(3))]]
-    for name, value in overrides.items():
-        setattr(opt, name, value)
-    return opt
+    attrs = dict(cpu_offload=False, has_moe_layers=False, model_parallel_group=None, compute_grad_norm=True,
+                 check_grad_overflow=True, groups_lacking_loss_scale=set(),
+                 bit16_groups=[[torch.nn.Parameter(torch.zeros(3))]])
+    return fake(DeepSpeedZeroOptimizer, **{**attrs, **overrides})
 
 
 def _install(opt):

@@ -14,18 +14,19 @@ from hypothesis import strategies as st
 
 from deepspeed_multi import compat
 from deepspeed_multi.zero import stage12_bucket_pack as zero2_pack
+from fake_zero import fake
 
 
 class FakeParam(torch.nn.Parameter):
     pass
 
 
-def fake_z2(bucket_size, overlap, comm_dtype, stage=2):
-    opt = object.__new__(DeepSpeedZeroOptimizer)
-    vars(opt).update(partition_gradients=stage == 2, contiguous_gradients=True, cpu_offload=False, zenflow=False,
-                     autoep_folding_tp_group=None, _offload_gradient_safety_enabled=False, overlap_comm=overlap,
-                     reduce_bucket_size=bucket_size, use_grad_accum_attribute=False, communication_data_type=comm_dtype,
-                     param_id={}, params_already_reduced=[], extra_large_param_to_reduce={})
+def fake_z2(bucket_size, overlap, comm_dtype, stage=2, cls=DeepSpeedZeroOptimizer):
+    opt = fake(cls, contiguous_gradients=True, cpu_offload=False, zenflow=False, autoep_folding_tp_group=None,
+               _offload_gradient_safety_enabled=False, overlap_comm=overlap, reduce_bucket_size=bucket_size,
+               params_already_reduced=[],
+               oracle=dict(partition_gradients=stage == 2, use_grad_accum_attribute=False,
+                           communication_data_type=comm_dtype, param_id={}, extra_large_param_to_reduce={}))
     opt.ipg_buckets = {comm_dtype: IPGBucket(buffer=[torch.full((bucket_size, ), float("nan"), dtype=comm_dtype)
                                                      for _ in range(2)])}
     return opt
@@ -113,8 +114,7 @@ def test_install_refuses_subclass_override():
         def reduce_ipg_grads(self, comm_dtype=None):
             pass
 
-    opt = object.__new__(Custom)
-    vars(opt).update(vars(fake_z2(16, False, torch.float32)))
+    opt = fake_z2(16, False, torch.float32, cls=Custom)
     assert zero2_pack.install(opt) is False
 
 

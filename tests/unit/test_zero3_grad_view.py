@@ -1,7 +1,7 @@
 """zero3_step: when the update may take a view of ZeRO-3's gradient buffer, and where it installs.
 
 Single process: ``one_view`` on generated layouts (sizes around zero, gaps, reorders, dtypes),
-and ``install`` on fake optimizers built with ``object.__new__``. The update itself, against
+and ``install`` on fake optimizers (fake_zero.py). The update itself, against
 DeepSpeed's copy and plain PyTorch on 2 ranks, is tests/multi_gpu/test_zero3_step.py.
 """
 import types
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from deepspeed_multi import compat
 from deepspeed_multi.zero import stage3_grad_view as zero3_step
 from deepspeed_multi.zero.stage3_grad_view import one_view
+from fake_zero import fake
 
 
 def _views(buffer, sizes, gaps):
@@ -61,11 +62,8 @@ def test_one_view_refuses_other_dtype_device_or_size():
     assert one_view([grads[0], torch.zeros(7)], torch.zeros(12)) is None  # a frozen parameter's zeros_like
 
 
-def _fake(offload=False):
-    opt = object.__new__(DeepSpeedZeroOptimizer_Stage3)
-    opt.offload_optimizer = offload
-    opt.fp32_partitioned_groups_flat = []
-    return opt
+def _fake(offload=False, cls=DeepSpeedZeroOptimizer_Stage3):
+    return fake(cls, offload_optimizer=offload, fp32_partitioned_groups_flat=[])
 
 
 def test_install_where_it_applies(monkeypatch):
@@ -85,9 +83,7 @@ def test_install_where_it_applies(monkeypatch):
             pass
 
     monkeypatch.delenv(zero3_step.ENV)
-    sub = object.__new__(Sub)
-    sub.offload_optimizer = False
-    sub.fp32_partitioned_groups_flat = []
+    sub = _fake(cls=Sub)
     assert not zero3_step.install(sub)
 
 
