@@ -94,20 +94,18 @@ class TrainerAccelerator(Accelerator):
         """
         if not self._uses_deepspeed:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        engine = self._engine_of("clip_grad_norm_", params=list(parameters))
-        configured = engine.gradient_clipping()
-        if math.isinf(max_norm):
+        if not math.isinf(max_norm):
+            engine = self._clipping_engine(parameters, max_norm, norm_type,
+                                           f"Set \"gradient_clipping\": \"auto\" (or {max_norm}) in its config.")
+        else:
+            engine = self._engine_of("clip_grad_norm_", params=list(parameters))
+            configured = engine.gradient_clipping()
             if configured:
                 raise ValueError(
                     f"clip_grad_norm_(max_norm=inf) for {type(engine.module).__name__}: the Trainer asks for the norm "
                     f"without clipping (TrainingArguments.max_grad_norm is 0), but this engine's DeepSpeed config "
                     f"clips at gradient_clipping={configured}. Set TrainingArguments(max_grad_norm={configured}), or "
                     "\"gradient_clipping\": \"auto\" (or 0) in the config.")
-        elif norm_type != 2 or not configured or not math.isclose(configured, max_norm):
-            raise ValueError(
-                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) for {type(engine.module).__name__}: "
-                f"DeepSpeed clips the 2-norm inside the update at the config's gradient_clipping, which is "
-                f"{configured} for this engine. Set \"gradient_clipping\": \"auto\" (or {max_norm}) in its config.")
         self._optimizer_of(engine).step_now()
         norm = engine.get_global_grad_norm()
         if norm is None:
@@ -214,7 +212,8 @@ def check_versions(cls) -> None:
     packages = ["transformers"] + (["trl"] if cls.__module__.split(".")[0] == "trl" else [])
     for package in packages:
         installed = md.version(package)
-        if ".".join(installed.split(".")[:2]) != TESTED[package] and not switch_on(ALLOW_UNTESTED_TRAINERS, False):
+        tested = compat._version_tuple(TESTED[package])
+        if compat._version_tuple(installed)[:2] != tested and not switch_on(ALLOW_UNTESTED_TRAINERS, False):
             raise RuntimeError(
                 f"deepspeed_multi.transformers was tested with {package} {TESTED[package]}.x; this environment has "
                 f"{package} {installed}. Install {package}=={TESTED[package]}.* (pip install 'deepspeed_multi[trl]'), "

@@ -172,15 +172,21 @@ class Accelerator(accelerate.Accelerator):
         """
         if not self._uses_deepspeed:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        fix = (f"Set \"gradient_clipping\": {max_norm} in this model's DeepSpeed config (and keep the call, which "
+               "then returns the norm of the last update), or drop the call.")
+        return self._clipping_engine(parameters, max_norm, norm_type, fix).get_global_grad_norm()
+
+    def _clipping_engine(self, parameters, max_norm, norm_type, fix):
+        """The engine ``parameters`` belong to, if its config clips the 2-norm at ``max_norm``; else
+        refuse (with ``fix``): clipping here at another value would be silently ignored."""
         engine = self._engine_of("clip_grad_norm_", params=list(parameters))
         configured = engine.gradient_clipping()
         if norm_type != 2 or not configured or not math.isclose(configured, max_norm):
             raise ValueError(
                 f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) for {type(engine.module).__name__}: "
                 f"DeepSpeed clips the 2-norm inside the update at the config's gradient_clipping, which is "
-                f"{configured} for this engine. Set \"gradient_clipping\": {max_norm} in this model's DeepSpeed config "
-                "(and keep the call, which then returns the norm of the last update), or drop the call.")
-        return engine.get_global_grad_norm()
+                f"{configured} for this engine. {fix}")
+        return engine
 
     @contextlib.contextmanager
     def accumulate(self, *models):

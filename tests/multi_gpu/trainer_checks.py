@@ -53,6 +53,25 @@ def _clear_ds_env():
         os.environ.pop(key, None)
 
 
+def _fresh_process_state():
+    """A new Accelerate state, no DeepSpeed launch variables, the same seed for every run."""
+    reset_accelerate()
+    _clear_ds_env()
+    torch.manual_seed(0)
+
+
+def _train(trainer, resume=None):
+    """Train; return (log history of the training steps, final full weights by name, trainer),
+    leaving no Transformers DeepSpeed config or launch variables behind for the next run."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    weights = _full_weights(trainer)
+    unset_hf_deepspeed_config()
+    _clear_ds_env()
+    return logs, weights, trainer
+
+
 def run_trainer(trainer_cls, gas, max_grad_norm, deepspeed=None, out=None, loss_kwargs=True, resume=None,
                 **args):
     """Train once; return (log history of the training steps, final full weights by name, trainer).
@@ -60,25 +79,18 @@ def run_trainer(trainer_cls, gas, max_grad_norm, deepspeed=None, out=None, loss_
     ``loss_kwargs=False``: the Trainer divides each micro-batch's loss by its accumulation count
     (a model that takes no ``num_items_in_batch``) instead of normalizing by the window's tokens.
     """
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-    reset_accelerate()
-    _clear_ds_env()
-    torch.manual_seed(0)
+    _fresh_process_state()
     model = causal_lm()
     out = out or _shared_tmp()
     trainer = trainer_cls(model=model, args=_args(out, gas, max_grad_norm, copy.deepcopy(deepspeed), **args),
                           train_dataset=TokenData())
     if not loss_kwargs:
         trainer.model_accepts_loss_kwargs = False
-    trainer.train(resume_from_checkpoint=resume)
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    weights = _full_weights(trainer)
+    result = _train(trainer, resume)
     if deepspeed is not None:
         engines = trainer.accelerator.engines()
         assert len(engines) == 1 and engines[0].zero_optimization_stage() == deepspeed["zero_optimization"]["stage"]
-    unset_hf_deepspeed_config()
-    _clear_ds_env()
-    return logs, weights, trainer
+    return result
 
 
 def _shared_tmp():
@@ -200,11 +212,8 @@ def preference_data(n=32, seed=3):
 
 
 def run_dpo(trainer_cls, gas, deepspeed=None, roles=None):
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
     from trl import DPOConfig
-    reset_accelerate()
-    _clear_ds_env()
-    torch.manual_seed(0)
+    _fresh_process_state()
     policy, reference = causal_lm(), causal_lm()
     reference.load_state_dict(policy.state_dict())
     args = DPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=MICRO_BS, gradient_accumulation_steps=gas,
@@ -215,12 +224,7 @@ def run_dpo(trainer_cls, gas, deepspeed=None, roles=None):
     kw = {} if roles is None else {"deepspeed_roles": roles}
     trainer = trainer_cls(model=policy, ref_model=reference, args=args, train_dataset=preference_data(),
                           processing_class=word_tokenizer(), **kw)
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    weights = _full_weights(trainer)
-    unset_hf_deepspeed_config()
-    _clear_ds_env()
-    return logs, weights, trainer
+    return _train(trainer)
 
 
 def dpo_vs_ddp(gases=(1, 2)):
@@ -254,11 +258,8 @@ def _reward_small_ids(completions, **kw):
 
 
 def run_grpo(trainer_cls, gas, policy_dir, deepspeed=None, roles=None, reward_dir=None):
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
     from trl import GRPOConfig
-    reset_accelerate()
-    _clear_ds_env()
-    torch.manual_seed(0)
+    _fresh_process_state()
     args = GRPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
                       num_generations=4, max_completion_length=4, learning_rate=2e-2, lr_scheduler_type="linear",
                       warmup_steps=0, max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no",
@@ -270,12 +271,7 @@ def run_grpo(trainer_cls, gas, policy_dir, deepspeed=None, roles=None, reward_di
         kw["reward_processing_classes"] = [None, word_tokenizer()]
     trainer = trainer_cls(model=policy_dir, reward_funcs=rewards, args=args, train_dataset=_prompts(),
                           processing_class=word_tokenizer(), **kw)
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    weights = _full_weights(trainer)
-    unset_hf_deepspeed_config()
-    _clear_ds_env()
-    return logs, weights, trainer
+    return _train(trainer)
 
 
 def grpo_vs_ddp(cases=((2, 1, True), (3, 2, False))):
