@@ -51,3 +51,21 @@ def test_example_short(example, launcher, extra, expect, tmp_path):
     out = _run(cmd + ["--short"] + extra, tmp_path)
     assert expect in out, f"expected {expect!r} in the output:\n{out[-3000:]}"
     assert "first" in out and "->" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("example,expect,trend", [
+    ("trainer.py", "model LlamaForCausalLM ZeRO-3 (trained); world size 2", "Trainer loss: first"),
+    ("dpo.py", "model LlamaForCausalLM ZeRO-2 (trained); ref_model LlamaForCausalLM ZeRO-3 (frozen); world size 2",
+     "DPO loss: first"),
+    ("grpo.py", "model LlamaForCausalLM ZeRO-2 (trained); ref_model LlamaForCausalLM ZeRO-3 (frozen); "
+                "reward_funcs LlamaForSequenceClassification ZeRO-3 (frozen); world size 2",
+     "GRPO rewards/counts_on/mean: first"),
+])
+def test_trainer_example_short(example, expect, trend, tmp_path):
+    """examples/trl/: the Trainer, DPOTrainer and GRPOTrainer examples in short mode (each exits
+    non-zero unless its loss fell, or for GRPO its rule reward rose)."""
+    if example != "trainer.py":
+        pytest.importorskip("trl")
+    out = _run(TORCHRUN + [os.path.join("examples", "trl", example), "--short", "--out", str(tmp_path)], tmp_path)
+    assert expect in out, f"expected {expect!r} in the output:\n{out[-3000:]}"
+    assert trend in out, out[-3000:]
