@@ -153,13 +153,50 @@ def _merged(base: dict, override: dict) -> dict:
     return out
 
 
-def role_config(accelerator, role_config: dict) -> dict:
-    """The policy's DeepSpeed config without its training-only sections, with ``role_config`` over it."""
-    base = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
-    base.pop("optimizer", None)
-    base.pop("scheduler", None)
+_FROZEN_ONLY = ("optimizer", "scheduler")           # a role model is prepared without an optimizer
+_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_PRECISIONS = ("fp16", "bf16")
+
+
+def _enabled(section) -> bool:
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def role_config(accelerator, given: dict, role: str = "ref_model") -> dict:
+    """The policy's DeepSpeed config without its training-only sections, with the role's over it.
+
+    A role may name its own stage, precision, offload of parameters, bucket sizes. Refused, before
+    any step: sections that only a trained model uses (the role is frozen), a batch geometry other
+    than the policy's (the trainer feeds every model the same micro-batches), and fp16 and bf16
+    both on. A role that turns one precision on runs in it alone: the policy's other one is dropped.
+    """
+    given = copy.deepcopy(load_config(given))
+    policy = accelerator.state.deepspeed_plugin.deepspeed_config
+    for key in _BATCH:  # "auto" in a role: the policy's (the trainer has filled them in)
+        if given.get(key) == "auto":
+            given.pop(key)
+    where = f"deepspeed_roles[{role!r}]"
+    frozen_only = [k for k in _FROZEN_ONLY if k in given]
+    frozen_only += ["zero_optimization.offload_optimizer"] * ("offload_optimizer" in given.get("zero_optimization", {}))
+    if frozen_only:
+        raise ValueError(f"{where} sets {frozen_only}: the trainer's {role} is frozen (prepared without an optimizer), "
+                         "so these would do nothing. Drop them from the role's config; the policy's optimizer "
+                         "settings belong in TrainingArguments(deepspeed=...).")
+    for key in _BATCH:
+        mine, theirs = given.get(key, "auto"), policy.get(key, "auto")
+        if mine != "auto" and theirs != "auto" and mine != theirs:
+            raise ValueError(f"{where} sets {key}={mine!r} but the policy's config has {key}={theirs!r}: the trainer "
+                             f"feeds the {role} the policy's micro-batches. Drop {key} from the role's config.")
+    precisions = [p for p in _PRECISIONS if _enabled(given.get(p))]
+    if len(precisions) > 1:
+        raise ValueError(f"{where} enables both fp16 and bf16; a model runs in one. Enable one of them.")
+    base = copy.deepcopy(policy)
+    for key in _FROZEN_ONLY:
+        base.pop(key, None)
     base.get("zero_optimization", {}).pop("offload_optimizer", None)
-    return _merged(base, load_config(role_config))
+    for other in set(_PRECISIONS) - set(precisions) if precisions else ():
+        base.pop(other, None)
+    return _merged(base, given)
 
 
 def _prepare_role(trainer, original):
@@ -170,7 +207,7 @@ def _prepare_role(trainer, original):
         if given is None:
             return original(model, accelerator)
         model.requires_grad_(False)
-        engine = accelerator.prepare(model, deepspeed_plugin=role_config(accelerator, given))
+        engine = accelerator.prepare(model, deepspeed_plugin=role_config(accelerator, given, role))
         engine._dsm_role = role
         engine.eval()
         return engine

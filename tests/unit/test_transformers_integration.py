@@ -51,6 +51,40 @@ def test_role_config_inherits_the_policy_config_less_its_training_sections():
     assert "optimizer" in State.deepspeed_plugin.deepspeed_config  # the policy's own config is untouched
 
 
+def _acc(config):
+    class Acc:
+        class state:
+            class deepspeed_plugin:
+                deepspeed_config = config
+    return Acc
+
+
+@pytest.mark.parametrize("given,match", [
+    ({"optimizer": {"type": "AdamW"}}, r"deepspeed_roles\['ref_model'\] sets \['optimizer'\].*frozen"),
+    ({"scheduler": {"type": "WarmupLR"}}, r"sets \['scheduler'\].*frozen"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     r"zero_optimization.offload_optimizer.*frozen"),
+    ({"train_micro_batch_size_per_gpu": 4}, r"train_micro_batch_size_per_gpu=4 but the policy's config has "
+                                            r"train_micro_batch_size_per_gpu=2"),
+    ({"gradient_accumulation_steps": 2}, r"gradient_accumulation_steps=2 but the policy's .*=1"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
+])
+def test_a_role_config_that_contradicts_the_policy_is_refused(given, match):
+    policy = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ValueError, match=match):
+        dsm_transformers.role_config(_acc(policy), given, "ref_model")
+
+
+def test_a_role_may_name_its_own_precision_and_auto_batch_keys():
+    policy = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "fp16": {"enabled": True},
+              "zero_optimization": {"stage": 2}}
+    cfg = dsm_transformers.role_config(_acc(policy), {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2,
+                                                      "gradient_accumulation_steps": "auto"})
+    assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg      # the policy's fp16 is dropped for this role
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 1
+    assert dsm_transformers.role_config(_acc(policy), {"zero_optimization": {"stage": 3}})["fp16"] == {"enabled": True}
+
+
 def test_an_untested_transformers_or_trl_is_refused_with_the_fix(monkeypatch):
     import importlib.metadata as md
     real = md.version
