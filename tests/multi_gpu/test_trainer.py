@@ -26,6 +26,16 @@ def _both():
     checks.save_resume_and_from_pretrained(3)
 
 
+def test_trainer_fp16_optimizer_step_was_skipped():
+    """fp16, a loss scale that overflows at first: optimizer_step_was_skipped exactly when the engine
+    skipped, and the LR schedule advancing on applied updates only (ZeRO-2 gas 1, ZeRO-3 gas 2)."""
+    run_distributed(_fp16, timeout_s=300)
+
+
+def _fp16():
+    return checks.fp16_skipped_steps(2, 1), checks.fp16_skipped_steps(3, 2)
+
+
 def test_trl_dpo_and_grpo_with_per_role_configs():
     """TRL's DPOTrainer (gas 1, 2) and GRPOTrainer (policy ZeRO-2 gas 1 with a reward model, policy ZeRO-3
     gas 2 generating) through multi_engine_trainer, the reference (and reward model) at ZeRO-3 via

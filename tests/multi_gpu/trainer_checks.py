@@ -301,3 +301,45 @@ def grpo_vs_ddp(cases=((2, 1, True), (3, 2, False))):
         compare((logs, weights), want[:2], f"GRPO gas {gas}, policy ZeRO-{stage}, reference ZeRO-3"
                                            f"{', reward model ZeRO-3' if reward_model else ''}")
     return dist.get_rank()
+
+
+# ------------------------------------------------------------------------- fp16 skipped updates
+def fp16_skipped_steps(stage=2, gas=1):
+    """fp16 with an initial loss scale that overflows: at every Trainer step,
+    ``accelerator.optimizer_step_was_skipped`` is true exactly when the engine skipped its update
+    (its ``skipped_steps`` grew), and the learning-rate schedule advances on applied updates only
+    (what a DDP Trainer does with a GradScaler; on CPU Accelerate runs fp16 with no GradScaler, so
+    a DDP run cannot skip here and the check is against the engine's own record)."""
+    from transformers import TrainerCallback
+
+    from deepspeed_multi.transformers import Trainer as MultiTrainer
+    lr0 = 2e-2
+    cfg = ds_config(stage, gas, None)
+    cfg["fp16"] = {"enabled": "auto", "initial_scale_power": 18, "loss_scale_window": 1000, "hysteresis": 1,
+                   "min_loss_scale": 1}
+    seen = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            engine = trainer.accelerator.engines()[0]
+            seen.append((trainer.accelerator.optimizer_step_was_skipped, engine.skipped_steps, engine.global_steps))
+
+    _fresh_process_state()
+    trainer = MultiTrainer(model=causal_lm(), args=_args(_shared_tmp(), gas, 0.5, copy.deepcopy(cfg), fp16=True,
+                                                        learning_rate=lr0),
+                           train_dataset=TokenData(), callbacks=[Record()])
+    logs, _, _ = _train(trainer)
+    flags = [s[0] for s in seen]
+    skipped = [s[1] for s in seen]
+    grew = [b > a for a, b in zip([0] + skipped, skipped)]
+    assert flags == grew, f"ZeRO-{stage} fp16: optimizer_step_was_skipped {flags}, engine skipped an update {grew}"
+    assert any(flags) and not all(flags), f"ZeRO-{stage} fp16: the run must hold skipped and applied updates: {flags}"
+    total = len(seen)
+    applied_before = [sum(not f for f in flags[:i]) for i in range(total)]
+    for log, k in zip(logs, applied_before):
+        want = lr0 * (1 - k / total)
+        assert abs(log["learning_rate"] - want) <= 1e-9, \
+            f"ZeRO-{stage} fp16 step {log['step']}: learning rate {log['learning_rate']} after {k} applied updates, " \
+            f"the schedule gives {want} (it must not advance on a skipped update)"
+    assert seen[-1][2] - seen[-1][1] == total - sum(flags), seen[-1]
+    return flags
