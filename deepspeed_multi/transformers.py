@@ -33,7 +33,8 @@ module calls is swapped (``compat.swapped``, nothing copied) for one that prepar
 named role through this Accelerator, frozen and without an optimizer, with the policy's config
 (less its optimizer, scheduler and optimizer offload) under the role's. The engine then stays in
 the Accelerator for the whole run (``free_memory`` keeps it). A model whose role is not named
-gets TRL's own treatment.
+gets TRL's own treatment. Where TRL then asks whether "DeepSpeed" is at ZeRO-3, the answer is the
+model's own ([Note: TRL's one-config checks] in integrations/trl_stages.py).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from .accelerate.accelerator import Accelerator
 from .accelerate.wrappers import EngineOptimizer
 from .config import load_config
 from .engine import MultiEngine
+from .integrations import trl_stages
 from .switches import ALLOW_UNTESTED_TRAINERS, switch_on
 
 # The releases (major.minor) deepspeed_multi.transformers was measured with (tests/multi_gpu/test_trainer.py).
@@ -231,6 +233,7 @@ def _init(self, *args, deepspeed_roles=None, **kwargs):
             stack.enter_context(compat.swapped(module, "prepare_deepspeed",
                                                _prepare_role(self, module.prepare_deepspeed)))
         self._dsm_base.__init__(self, *args, **kwargs)
+    trl_stages.fix_sync_callbacks(self)
     for role in roles:
         if role != "teacher_model" and not getattr(self, role, None):
             raise ValueError(f"{type(self).__name__}(deepspeed_roles={{{role!r}: ...}}): this trainer has no "
@@ -241,6 +244,15 @@ def _create_accelerator_and_postprocess(self):
     import transformers.trainer as hf_trainer
     with compat.swapped(hf_trainer, "Accelerator", TrainerAccelerator):
         return self._dsm_base.create_accelerator_and_postprocess(self)
+
+
+def _per_model_zero3(name):
+    """``cls.<name>`` with TRL's ZeRO-3 checks answered per model ([Note: TRL's one-config checks])."""
+    def method(self, *args, **kwargs):
+        with trl_stages.per_model_zero3():
+            return getattr(self._dsm_base, name)(self, *args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 def check_versions(cls) -> None:
@@ -274,6 +286,7 @@ def multi_engine_trainer(cls):
         "_dsm_base": cls,
         "__init__": _init,
         "create_accelerator_and_postprocess": _create_accelerator_and_postprocess,
+        **{name: _per_model_zero3(name) for name in ("train", "evaluate", "predict")},
     })
 
 

@@ -45,5 +45,7 @@ def test_trl_dpo_and_grpo_with_per_role_configs():
 
 
 def _trl():
-    checks.dpo_vs_ddp((1, 2))
+    checks.dpo_vs_ddp()
     checks.grpo_vs_ddp()
+    checks.grpo_vs_ddp([(2, 2, True)], trainer="RLOO")
+    checks.distillation_vs_ddp()

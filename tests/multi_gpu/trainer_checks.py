@@ -211,7 +211,7 @@ def preference_data(n=32, seed=3):
     return Dataset.from_list(rows)
 
 
-def run_dpo(trainer_cls, gas, deepspeed=None, roles=None):
+def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False):
     from trl import DPOConfig
     _fresh_process_state()
     policy, reference = causal_lm(), causal_lm()
@@ -220,27 +220,30 @@ def run_dpo(trainer_cls, gas, deepspeed=None, roles=None):
                      learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=0.5,
                      num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
                      seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True, beta=0.5,
-                     deepspeed=copy.deepcopy(deepspeed))
+                     deepspeed=copy.deepcopy(deepspeed),
+                     **(dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5) if sync else {}))
     kw = {} if roles is None else {"deepspeed_roles": roles}
     trainer = trainer_cls(model=policy, ref_model=reference, args=args, train_dataset=preference_data(),
                           processing_class=word_tokenizer(), **kw)
     return _train(trainer)
 
 
-def dpo_vs_ddp(gases=(1, 2)):
-    """DPO with the reference at ZeRO-3 beside a ZeRO-2 policy (deepspeed_roles) against DDP DPO."""
+def dpo_vs_ddp(cases=((1, False), (2, False), (1, True))):
+    """DPO with the reference at ZeRO-3 beside a ZeRO-2 policy (deepspeed_roles) against DDP DPO;
+    ``cases``: (gas, sync_ref_model: the policy mixed into the reference every 2 steps)."""
     from trl import DPOTrainer
 
     from deepspeed_multi.transformers import multi_engine_trainer
-    for gas in gases:
-        want = run_dpo(DPOTrainer, gas)
+    for gas, sync in cases:
+        want = run_dpo(DPOTrainer, gas, sync=sync)
         logs, weights, trainer = run_dpo(multi_engine_trainer(DPOTrainer), gas, deepspeed=ds_config(2, gas, None),
-                                         roles={"ref_model": {"zero_optimization": {"stage": 3}}})
+                                         roles={"ref_model": {"zero_optimization": {"stage": 3}}}, sync=sync)
         engines = trainer.accelerator.engines()
         stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in engines)
         assert stages == [(False, 3), (True, 2)], f"engines held by the Accelerator (trains, stage): {stages}"
         assert trainer.ref_model in engines and trainer.ref_model.zero_optimization_stage() == 3
-        compare((logs, weights), want[:2], f"DPO gas {gas}, policy ZeRO-2, reference ZeRO-3")
+        compare((logs, weights), want[:2], f"DPO gas {gas}{', sync_ref_model' if sync else ''}, policy ZeRO-2, "
+                                           "reference ZeRO-3")
     return dist.get_rank()
 
 
@@ -257,10 +260,10 @@ def _reward_small_ids(completions, **kw):
     return [-sum(int(w[1:]) for w in c.split() if w.startswith("w")) / 64.0 for c in completions]
 
 
-def run_grpo(trainer_cls, gas, policy_dir, deepspeed=None, roles=None, reward_dir=None):
+def run_grpo(trainer_cls, gas, policy_dir, deepspeed=None, roles=None, reward_dir=None, config_cls=None):
     from trl import GRPOConfig
     _fresh_process_state()
-    args = GRPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
+    args = (config_cls or GRPOConfig)(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
                       num_generations=4, max_completion_length=4, learning_rate=2e-2, lr_scheduler_type="linear",
                       warmup_steps=0, max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no",
                       report_to=[], use_cpu=True, bf16=False, seed=0, data_seed=0, disable_tqdm=True, beta=0.1,
@@ -274,32 +277,80 @@ def run_grpo(trainer_cls, gas, policy_dir, deepspeed=None, roles=None, reward_di
     return _train(trainer)
 
 
-def grpo_vs_ddp(cases=((2, 1, True), (3, 2, False))):
-    """GRPO (generation, a reference for the KL term at ZeRO-3 via deepspeed_roles, optionally a reward
-    model at ZeRO-3 too) against DDP GRPO; ``cases``: (policy stage, gas, with a reward model)."""
-    from trl import GRPOTrainer
-
-    from deepspeed_multi.transformers import multi_engine_trainer
-    from hf_models import scorer
+def _saved_policy_and_reward():
     root = _shared_tmp()
     policy_dir, reward_dir = os.path.join(root, "policy"), os.path.join(root, "reward")
     if dist.get_rank() == 0:
+        from hf_models import scorer
         torch.manual_seed(0)
         causal_lm().save_pretrained(policy_dir)
         scorer().save_pretrained(reward_dir)
     dist.barrier()
+    return policy_dir, reward_dir
+
+
+def grpo_vs_ddp(cases=((2, 1, True), (3, 2, False)), trainer="GRPO"):
+    """GRPO or RLOO (generation, a reference for the KL term at ZeRO-3 via deepspeed_roles, optionally
+    a reward model at ZeRO-3 too) against the same TRL trainer under DDP; ``cases``: (policy stage,
+    gas, with a reward model)."""
+    import trl
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    trainer_cls, config_cls = getattr(trl, f"{trainer}Trainer"), getattr(trl, f"{trainer}Config")
+    policy_dir, reward_dir = _saved_policy_and_reward()
     z3 = {"zero_optimization": {"stage": 3}}
     for stage, gas, reward_model in cases:
         reward = reward_dir if reward_model else None
-        want = run_grpo(GRPOTrainer, gas, policy_dir, reward_dir=reward)
+        want = run_grpo(trainer_cls, gas, policy_dir, reward_dir=reward, config_cls=config_cls)
         roles = {"ref_model": z3, **({"reward_funcs": z3} if reward_model else {})}
-        logs, weights, trainer = run_grpo(multi_engine_trainer(GRPOTrainer), gas, policy_dir,
-                                          deepspeed=ds_config(stage, gas, None), roles=roles, reward_dir=reward)
-        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in trainer.accelerator.engines())
+        logs, weights, built = run_grpo(multi_engine_trainer(trainer_cls), gas, policy_dir,
+                                        deepspeed=ds_config(stage, gas, None), roles=roles, reward_dir=reward,
+                                        config_cls=config_cls)
+        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
         assert stages == [(False, 3)] * (1 + reward_model) + [(True, stage)], \
-            f"engines held by the Accelerator (trains, stage): {stages}"
-        compare((logs, weights), want[:2], f"GRPO gas {gas}, policy ZeRO-{stage}, reference ZeRO-3"
+            f"{trainer}: engines held by the Accelerator (trains, stage): {stages}"
+        compare((logs, weights), want[:2], f"{trainer} gas {gas}, policy ZeRO-{stage}, reference ZeRO-3"
                                            f"{', reward model ZeRO-3' if reward_model else ''}")
+    return dist.get_rank()
+
+
+# ------------------------------------------------------------------------- TRL: distillation
+def run_distillation(trainer_cls, gas, policy_dir, teacher_dir, deepspeed=None, roles=None):
+    from transformers import AutoModelForCausalLM
+    from trl import DistillationConfig
+    _fresh_process_state()
+    args = DistillationConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
+                              max_completion_length=4, learning_rate=2e-2, lr_scheduler_type="linear",
+                              warmup_steps=0, max_grad_norm=0.5, num_train_epochs=1, logging_steps=1,
+                              save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0, data_seed=0,
+                              disable_tqdm=True, temperature=1.0, deepspeed=copy.deepcopy(deepspeed))
+    kw = {} if roles is None else {"deepspeed_roles": roles}
+    trainer = trainer_cls(model=policy_dir, teacher_model=AutoModelForCausalLM.from_pretrained(teacher_dir),
+                          args=args, train_dataset=_prompts(32), processing_class=word_tokenizer(), **kw)
+    return _train(trainer)
+
+
+def distillation_vs_ddp(cases=((2, 1), (2, 2))):
+    """TRL's DistillationTrainer (on-policy generation, the teacher's distribution as target) with the
+    teacher at ZeRO-3 via deepspeed_roles, against DDP; ``cases``: (student stage, gas)."""
+    from trl import DistillationTrainer
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    policy_dir, _ = _saved_policy_and_reward()
+    teacher_dir = os.path.join(os.path.dirname(policy_dir), "teacher")
+    if dist.get_rank() == 0:
+        torch.manual_seed(1)
+        causal_lm().save_pretrained(teacher_dir)
+    dist.barrier()
+    for stage, gas in cases:
+        want = run_distillation(DistillationTrainer, gas, policy_dir, teacher_dir)
+        logs, weights, built = run_distillation(multi_engine_trainer(DistillationTrainer), gas, policy_dir,
+                                                teacher_dir, deepspeed=ds_config(stage, gas, None),
+                                                roles={"teacher_model": {"zero_optimization": {"stage": 3}}})
+        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
+        assert stages == [(False, 3), (True, stage)], f"distillation: engines (trains, stage): {stages}"
+        assert built.teacher_model.zero_optimization_stage() == 3
+        compare((logs, weights), want[:2], f"distillation gas {gas}, student ZeRO-{stage}, teacher ZeRO-3")
     return dist.get_rank()
 
 
