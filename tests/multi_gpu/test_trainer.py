@@ -36,12 +36,15 @@ def _fp16():
     return checks.fp16_skipped_steps(2, 1), checks.fp16_skipped_steps(3, 2)
 
 
-def test_trl_dpo_and_grpo_with_per_role_configs():
-    """TRL's DPOTrainer (gas 1, 2) and GRPOTrainer (policy ZeRO-2 gas 1 with a reward model, policy ZeRO-3
-    gas 2 generating) through multi_engine_trainer, the reference (and reward model) at ZeRO-3 via
-    deepspeed_roles, against the same TRL trainers under DDP: losses, grad_norm, LR, weights exact."""
+def test_trl_trainers_with_per_role_configs():
+    """TRL's trainers through multi_engine_trainer, each extra model at ZeRO-3 via deepspeed_roles,
+    against the same TRL trainer under DDP (losses, grad_norm, LR, final weights exact; the engines'
+    stages asserted): DPOTrainer (policy ZeRO-2, gas 1 and 2, and sync_ref_model), GRPOTrainer (policy
+    ZeRO-2 gas 1 with a reward model, policy ZeRO-3 generating at gas 2), RLOOTrainer (gas 2,
+    reference and reward model), DistillationTrainer (teacher, gas 1 and 2), and the experimental
+    OnlineDPOTrainer (reference and reward model) and GKDTrainer (teacher)."""
     pytest.importorskip("trl")
-    run_distributed(_trl, timeout_s=400)
+    run_distributed(_trl, timeout_s=600)
 
 
 def _trl():
@@ -49,3 +52,5 @@ def _trl():
     checks.grpo_vs_ddp()
     checks.grpo_vs_ddp([(2, 2, True)], trainer="RLOO")
     checks.distillation_vs_ddp()
+    checks.online_dpo_vs_ddp()
+    checks.gkd_vs_ddp()

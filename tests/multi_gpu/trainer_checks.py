@@ -354,6 +354,93 @@ def distillation_vs_ddp(cases=((2, 1), (2, 2))):
     return dist.get_rank()
 
 
+# ------------------------------------------------------------------------- TRL: online DPO
+def run_online_dpo(trainer_cls, gas, policy_dir, reward_dir, deepspeed=None, roles=None):
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.online_dpo import OnlineDPOConfig
+    _fresh_process_state()
+    args = OnlineDPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
+                           max_new_tokens=4, learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0,
+                           max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[],
+                           use_cpu=True, bf16=False, seed=0, data_seed=0, disable_tqdm=True, temperature=1.0,
+                           beta=[0.1], deepspeed=copy.deepcopy(deepspeed))
+    kw = {} if roles is None else {"deepspeed_roles": roles}
+    trainer = trainer_cls(model=policy_dir, ref_model=AutoModelForCausalLM.from_pretrained(policy_dir),
+                          reward_funcs=[reward_dir], args=args, train_dataset=_prompts(32),
+                          processing_class=word_tokenizer(), reward_processing_classes=[word_tokenizer()], **kw)
+    return _train(trainer)
+
+
+def online_dpo_vs_ddp(cases=((2, 1), (2, 2))):
+    """TRL's (experimental) OnlineDPOTrainer: generation, a reward model and the reference at ZeRO-3 via
+    deepspeed_roles, against DDP; ``cases``: (policy stage, gas)."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    policy_dir, reward_dir = _saved_policy_and_reward()
+    z3 = {"zero_optimization": {"stage": 3}}
+    for stage, gas in cases:
+        want = run_online_dpo(OnlineDPOTrainer, gas, policy_dir, reward_dir)
+        logs, weights, built = run_online_dpo(multi_engine_trainer(OnlineDPOTrainer), gas, policy_dir, reward_dir,
+                                              deepspeed=ds_config(stage, gas, None),
+                                              roles={"ref_model": z3, "reward_funcs": z3})
+        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
+        assert stages == [(False, 3), (False, 3), (True, stage)], f"online DPO: engines (trains, stage): {stages}"
+        compare((logs, weights), want[:2], f"online DPO gas {gas}, policy ZeRO-{stage}, reference and reward ZeRO-3")
+    return dist.get_rank()
+
+
+# ------------------------------------------------------------------------------- TRL: GKD
+def _chats(n=32, seed=9):
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(seed)
+
+    def words(k):
+        return " ".join(f"w{int(i)}" for i in torch.randint(3, 64, (k,), generator=g))
+    return Dataset.from_list([{"messages": [{"role": "user", "content": words(4)},
+                                            {"role": "assistant", "content": words(3)}]} for _ in range(n)])
+
+
+def run_gkd(trainer_cls, gas, policy_dir, teacher_dir, deepspeed=None, roles=None):
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.gkd import GKDConfig
+    _fresh_process_state()
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    args = GKDConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
+                     max_new_tokens=4, max_length=16, learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0,
+                     max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[],
+                     use_cpu=True, bf16=False, seed=0, data_seed=0, disable_tqdm=True, temperature=1.0, lmbda=0.5,
+                     deepspeed=copy.deepcopy(deepspeed))
+    kw = {} if roles is None else {"deepspeed_roles": roles}
+    trainer = trainer_cls(model=policy_dir, teacher_model=AutoModelForCausalLM.from_pretrained(teacher_dir), args=args,
+                          train_dataset=_chats(), processing_class=tok, **kw)
+    return _train(trainer)
+
+
+def gkd_vs_ddp(cases=((2, 1), (2, 2))):
+    """TRL's (experimental) GKDTrainer (on-policy half the time) with the teacher at ZeRO-3 via
+    deepspeed_roles, against DDP; ``cases``: (student stage, gas)."""
+    from trl.experimental.gkd import GKDTrainer
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    policy_dir, _ = _saved_policy_and_reward()
+    teacher_dir = os.path.join(os.path.dirname(policy_dir), "teacher")
+    if dist.get_rank() == 0 and not os.path.isdir(teacher_dir):
+        torch.manual_seed(1)
+        causal_lm().save_pretrained(teacher_dir)
+    dist.barrier()
+    for stage, gas in cases:
+        want = run_gkd(GKDTrainer, gas, policy_dir, teacher_dir)
+        logs, weights, built = run_gkd(multi_engine_trainer(GKDTrainer), gas, policy_dir, teacher_dir,
+                                       deepspeed=ds_config(stage, gas, None),
+                                       roles={"teacher_model": {"zero_optimization": {"stage": 3}}})
+        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
+        assert stages == [(False, 3), (True, stage)], f"GKD: engines (trains, stage): {stages}"
+        compare((logs, weights), want[:2], f"GKD gas {gas}, student ZeRO-{stage}, teacher ZeRO-3")
+    return dist.get_rank()
+
+
 # ------------------------------------------------------------------------- fp16 skipped updates
 def fp16_skipped_steps(stage=2, gas=1):
     """fp16 with an initial loss scale that overflows: at every Trainer step,
