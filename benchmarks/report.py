@@ -33,6 +33,15 @@ SECTIONS = [
      "Step time as the number of engines under one loss grows (chained and parallel), and as the parameter "
      "count of an encoder -> LLM pair grows from about 1e5 to 1e8, each beside one upstream ZeRO-3 engine "
      "holding the same modules."),
+    ("dpo_roles", "TRL DPO: the reference at its own ZeRO stage",
+     "One `trl.DPOTrainer` step on a Llama built from a config: `multi_engine_trainer(DPOTrainer)` with the policy "
+     "at ZeRO-2 and the reference at ZeRO-3 (`deepspeed_roles`), against the policy at ZeRO-3 (same reference) and "
+     "plain TRL (policy ZeRO-2; TRL's `prepare_deepspeed` gives the reference stage 0), and our trainer without "
+     "roles (TRL's stage-0 reference beside our ZeRO-2 policy: what our policy engine costs against upstream's). "
+     "Each variant in fresh processes, not interleaved; ratios are ours Z2+Z3 / that variant (< 1: ours is "
+     "faster or smaller). At 29.5M parameters on 2 CPU ranks the ZeRO-3 reference does not bring the peak below "
+     "TRL's stage-0 replica (a replica is 118 MB here); it is for references whose replica does not fit "
+     "(trl#1730: 7B), which this box cannot hold."),
 ]
 
 
