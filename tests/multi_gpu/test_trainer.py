@@ -1,6 +1,6 @@
 """transformers.Trainer on MultiEngines (deepspeed_multi.transformers) against a DDP Trainer on the
 same job: logged losses, grad_norm and learning rates and the final weights exact (fp32), at
-gradient accumulation 1 and 2, max_grad_norm on and off, the loss normalized by the window's tokens or
+gradient accumulation 1, 2 and 4, max_grad_norm on and off, the loss normalized by the window's tokens or
 divided by the accumulation count, ZeRO 1-3. One process group runs every case of a test."""
 import pytest
 
@@ -13,7 +13,8 @@ from harness import run_distributed  # noqa: E402
 def test_trainer_matches_ddp_trainer():
     run_distributed(checks.trainer_vs_ddp, [(2, 1, 0.5, True), (2, 2, 0.5, True), (3, 2, 0.5, True),
                                             (1, 2, 0.0, True), (3, 1, 0.0, True), (2, 2, 0.5, False),
-                                            (3, 2, 0.0, False)], timeout_s=400)
+                                            (3, 2, 0.0, False), (2, 4, 0.5, True), (3, 4, 0.5, False)],
+                    timeout_s=400)
 
 
 def test_trainer_save_resume_and_from_pretrained():
