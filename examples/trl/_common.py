@@ -11,10 +11,8 @@ vocabulary, so nothing is downloaded. The task is learnable in a few steps: sequ
 upwards (``w7 w8 w9 ...``).
 """
 import argparse
-import logging
 import os
 import sys
-import warnings
 
 import torch
 
@@ -25,19 +23,18 @@ if ROOT not in sys.path:
 VOCAB = 64  # w3 .. w63, plus <pad> <s> </s>
 
 
-def setup_env():
-    """Before Accelerate/DeepSpeed are imported: a world of one for plain `python`, CPU if no GPU."""
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29541").items():
-        os.environ.setdefault(key, value)
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator on import
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    logging.getLogger("deepspeed").setLevel(logging.WARNING)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+def _hf_common():
+    """examples/hf/_common.py, whose environment set-up these examples share."""
+    import importlib.util
+    path = os.path.join(ROOT, "examples", "hf", "_common.py")
+    spec = importlib.util.spec_from_file_location("examples_hf_common", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Before Accelerate/DeepSpeed are imported: a world of one for plain `python`, CPU if no GPU.
+setup_env = _hf_common().setup_env
 
 
 def parser(description):
