@@ -1,8 +1,9 @@
 """ZeRO integration: what MultiEngine changes in DeepSpeed's ZeRO optimizers, installed in one order.
 
 Correctness (always): ``buffers`` (gradients kept and discarded with PyTorch's meaning),
-``stage3_counters`` (a retained graph backpropagated again at ZeRO-3) and the direct-use check
-(``autograd.outside_use``). Fast paths (each gives DeepSpeed's bits, each checked by
+``stage3_counters`` (a retained graph backpropagated again at ZeRO-3), the direct-use check
+(``autograd.outside_use``) and ``stage3_predivide`` (ZeRO-3 averaging at
+``gradient_predivide_factor`` == world size, installed here before the fast paths). Fast paths (each gives DeepSpeed's bits, each checked by
 ``compat.fast_path_exact`` and skipped where it does not apply):
 
 =====================  ==========  ==================================================================
@@ -29,8 +30,8 @@ import logging
 
 from .. import ops
 from ..switches import FUSED_ZERO, switch_on
-from . import (stage3_grad_view, stage3_partition, stage3_scatter, stage12_bucket_pack, stage12_grad_view,
-               stage12_hook_count, stage12_overflow, stage12_reduce)
+from . import (stage3_grad_view, stage3_partition, stage3_predivide, stage3_scatter, stage12_bucket_pack,
+               stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce)
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
@@ -39,7 +40,7 @@ FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
 def install(optimizer, fused_reduce: bool) -> dict:
     """Install every fast path that applies to ``optimizer``, in the order of the Note; return
     ``{feature: installed}``. ``fused_reduce`` is the config option."""
-    done = {}
+    done = {stage3_predivide.FEATURE: stage3_predivide.install(optimizer)}
     for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})

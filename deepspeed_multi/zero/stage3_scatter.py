@@ -85,7 +85,10 @@ def is_one_run(optimizer, grad_partitions) -> bool:
 
 def applies(optimizer) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and compat.fast_path_exact(optimizer, FEATURE)
+    # With a predivide factor every call is DeepSpeed's own (_plain_path), wrapped by stage3_predivide.
+    predivide = getattr(optimizer, "postscale_gradients", False) and getattr(optimizer, "gradient_predivide_factor", 1.0) != 1.0
+    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and not predivide
+            and compat.fast_path_exact(optimizer, FEATURE)
             and hasattr(optimizer, "all2all_process_group") and hasattr(optimizer, "_autoep_expert_parallel_group"))
 
 

@@ -120,6 +120,7 @@ class Scenario:
     micro_steps: int = 4
     dtype: str = "fp32"
     world_size: int = 2
+    took_effect: Callable = None  # engines -> None; raises if a configured knob did not take effect
 
     def __post_init__(self):
         if self.batch is None:

@@ -377,6 +377,15 @@ def _with_options(scenario, **options):
     return scenario
 
 
+def _knobs(scenario, top=None, **zero):
+    """The same scenario with DeepSpeed config keys in every member's config: ``top`` at the top
+    level, ``zero`` under zero_optimization."""
+    for member in scenario.members.values():
+        member.config.update(top or {})
+        member.config["zero_optimization"].update(zero)
+    return scenario
+
+
 SCENARIOS = {}
 for s in range(4):
     SCENARIOS[f"single-z{s}"] = functools.partial(_single, s)
@@ -466,6 +475,35 @@ SCENARIOS["llava-llama-z3-gas2"] = functools.partial(_llava, 3, arch="llama")
 SCENARIOS["llava-llama-z3-fp16-gas2"] = functools.partial(_llava, 3, "fp16", arch="llama")
 
 
+# DeepSpeed's knobs (issue 24). ZeRO-3 with reduce_scatter off and gradient_predivide_factor equal to
+# the world size (2) averaged 2x too small in DeepSpeed (zero/stage3_predivide.py); 4 was right.
+_NO_SCATTER = dict(reduce_scatter=False)
+
+
+def _predivide(scenario, factor, **zero):
+    """``scenario`` with gradient_predivide_factor ``factor`` and reduce_scatter off; checks that
+    both reached DeepSpeed's optimizers and that the fix is on exactly where DeepSpeed needs it."""
+    from deepspeed_multi import compat
+
+    def took_effect(engines):
+        for name, engine in engines.items():
+            opt = engine.optimizer
+            assert engine.gradient_predivide_factor() == factor, (name, engine.gradient_predivide_factor())
+            if engine.zero_optimization_stage() == 3:
+                assert opt.reduce_scatter is False and opt.gradient_predivide_factor == factor, name
+                assert compat.installed(opt, "stage3_predivide"), f"{name}: the predivide fix is not installed"
+    scenario = _knobs(scenario, {"gradient_predivide_factor": factor}, **_NO_SCATTER, **zero)
+    scenario.took_effect = took_effect
+    return scenario
+SCENARIOS.update({
+    "knob-z3-predivide-world-no-reduce-scatter": lambda: _predivide(_chain(2, 3, 2, 2), 2.0),
+    "knob-z3-predivide-world-no-reduce-scatter-noncontiguous": lambda: _predivide(
+        _chain(3, 3), 2.0, contiguous_gradients=False),
+    "knob-z3-predivide-4-no-reduce-scatter": lambda: _predivide(_chain(2, 3, 2, 2), 4.0),
+    "knob-z3-predivide-world-no-reduce-scatter-bf16": lambda: _predivide(_single(3, "bf16"), 2.0),
+})
+
+
 # Scenarios that cannot work and must fail with a clear error instead: name -> text of the error.
 EXPECTED_ERRORS = {
     "grad-penalty-z3": "create_graph=True",
@@ -492,6 +530,8 @@ def check(name, initialize=None, report_dir=None):
         initialize = deepspeed_multi.initialize
     scenario = SCENARIOS[name]()
     engines = run_engines(scenario, initialize)
+    if scenario.took_effect is not None:
+        scenario.took_effect(engines)
     reference = run_reference(scenario)
     report = compare(engines, reference, scenario.members, scenario.dtype)
     report_dir = report_dir or os.environ.get("DSM_REPORT_DIR")
