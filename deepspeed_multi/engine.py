@@ -50,8 +50,7 @@ class MultiEngine(DeepSpeedEngine):
         compat.check_deepspeed()
         super().__init__(*args, **kwargs)
         self.options = options or MultiOptions()
-        # Every stage gets the torch-style path from our boundary nodes, not from DeepSpeed's
-        # output hooks and per-parameter counters, so stage 0 and frozen engines work too.
+        # Our boundary nodes drive every stage (not DeepSpeed's output hooks), so stage 0 and frozen engines work.
         self._support_torch_style_backward = True
         if isinstance(self.optimizer, ZeROOptimizer):
             # The epilogue runs from our own graph-task callback (see autograd/boundary.py).
@@ -70,8 +69,7 @@ class MultiEngine(DeepSpeedEngine):
         self._caller_scales_loss = False  # the Trainer divides the loss itself (transformers.py)
         self._window_micro_steps = 0
         self._window_backwards = 0
-        # One tiny all-reduce per update at ZeRO 0/1, off the critical path (rank_agreement.py);
-        # DSM_CHECK_RANK_AGREEMENT=0 turns it off.
+        # One tiny all-reduce per update at ZeRO 0/1, off the critical path (rank_agreement.py); 0 turns it off.
         self.check_rank_agreement = switch_on(CHECK_RANK_AGREEMENT)
         self._rank_agreement = RankAgreement(self)
         self._trainable_params = [p for p in self.module.parameters() if p.requires_grad]
@@ -183,6 +181,8 @@ class MultiEngine(DeepSpeedEngine):
 
     def _close_boundary_crossing(self):
         self._boundary_crossed = False
+        if self._state is TrainingState.IN_BACKWARD:  # started by a nested (reentrant) pass of this one
+            self._post_backward()
 
     def _start_backward(self):
         """Run the prologue for this backward pass and queue the epilogue at its end."""
@@ -193,7 +193,8 @@ class MultiEngine(DeepSpeedEngine):
         DeepSpeedEngine._backward_prologue(self)
         if not self.managed_gradient_accumulation():
             self._unmanaged_backward_count += 1
-        graph.at_end_of_backward(self._post_backward)
+        if not self._boundary_crossed:  # a nested pass: the epilogue waits for the outer pass's end
+            graph.at_end_of_backward(self._post_backward)
 
     def _post_backward(self):
         """End of the graph task: bucket flush, reduction, fp32 accumulation."""

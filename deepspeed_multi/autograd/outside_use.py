@@ -40,7 +40,10 @@ and sparse gradients.
 Reentrant activation checkpointing runs the checkpointed part's backward as a nested backward
 pass. When every parameter of an engine sits inside checkpointed parts, the outer pass crosses
 the boundary but reaches no parameter, so the prologue waits (``engine._boundary_crossed``);
-the first parameter gradient of the nested pass then starts it.
+the first parameter gradient of the nested pass then starts it, and the epilogue runs at the end
+of the outer pass, once every nested pass has given its gradients (PEFT LoRA adapters inside
+checkpointed layers: at ZeRO-3 an epilogue after the first nested pass released the submodules
+the outer pass still had to, "active_backward_submodules is empty during backward pass").
 """
 import torch
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

@@ -215,7 +215,8 @@ def build_engines(scenario: Scenario, initialize):
         model = m.build()
         cfg = copy.deepcopy(m.config)
         if m.trainable:
-            opt = torch.optim.SGD(model.parameters(), lr=m.lr)
+            # The trainable parameters only, as Trainer passes them (a PEFT model's base weights are frozen).
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=m.lr)
             engines[name], _, _, _ = initialize(model=model, optimizer=opt, config=cfg)
         else:
             model.requires_grad_(False)

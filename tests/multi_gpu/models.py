@@ -139,3 +139,20 @@ def tiny_causal_lm(arch="gpt2", seed=0):
         model = transformers.LlamaForCausalLM(config)
     model.config._attn_implementation = "eager"
     return model
+
+
+def lora_llama(seed=0, reentrant=True):
+    """tiny_causal_lm("llama") with PEFT LoRA adapters on the attention projections and gradient
+    checkpointing on (the TRL + PEFT default), its adapters' B matrices non-zero so that both
+    adapter matrices get gradients from the first step."""
+    from peft import LoraConfig, get_peft_model
+    model = tiny_causal_lm("llama", seed)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=g))
+    return model

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from common import MLP, Member, Phase, Scenario, ds_config
 from common import default_batch
 from models import CheckpointedMLP, EmbBody, InplaceInputMLP, Scalar, StructuredMLP, TwoHeads, structured_out
-from models import tiny_causal_lm
+from models import lora_llama, tiny_causal_lm
 
 
 def mlp(seed, **kw):
@@ -502,6 +502,39 @@ SCENARIOS.update({
     "knob-z3-predivide-4-no-reduce-scatter": lambda: _predivide(_chain(2, 3, 2, 2), 4.0),
     "knob-z3-predivide-world-no-reduce-scatter-bf16": lambda: _predivide(_single(3, "bf16"), 2.0),
 })
+
+
+
+
+def _lora(stage, reentrant=True, gas=2, fed=False):
+    """A PEFT LoRA Llama with gradient checkpointing (issue 24: reentrant at ZeRO-3 raised
+    "active_backward_submodules is empty"), against plain PyTorch PEFT with the same checkpointing;
+    ``fed``: its input embeddings come from a ZeRO-2 projector engine."""
+
+    def loss(m, b, c):
+        llm = m["llm"]
+        if not fed:
+            return llm(input_ids=b["ids"], labels=b["ids"]).loss
+        text = mod(llm).get_input_embeddings()(b["ids"])
+        return llm(inputs_embeds=text + m["proj"](text), labels=b["ids"]).loss
+
+    def took_effect(engines):
+        module = engines["llm"].module
+        trained = [n for n, p in module.named_parameters() if p.requires_grad]
+        assert trained and all("lora_" in n for n in trained), trained
+        assert module.base_model.model.is_gradient_checkpointing, "gradient checkpointing is off"
+
+    members = {"llm": Member(functools.partial(lora_llama, 2, reentrant), ds_config(stage, gas=gas))}
+    if fed:
+        members["proj"] = Member(mlp(1, d_in=16, d_out=16), ds_config(2, gas=gas))
+    return Scenario(members=members, phases=[Phase(loss)], batch=_llava_batch, took_effect=took_effect)
+
+
+for _stage in (2, 3):
+    SCENARIOS[f"knob-z{_stage}-lora-reentrant-gas2"] = functools.partial(_lora, _stage)
+SCENARIOS["knob-z3-lora-reentrant-gas1"] = functools.partial(_lora, 3, gas=1)
+SCENARIOS["knob-z3-lora-nonreentrant-gas2"] = functools.partial(_lora, 3, False)
+SCENARIOS["knob-z3-lora-reentrant-fed-gas2"] = functools.partial(_lora, 3, fed=True)
 
 
 # Scenarios that cannot work and must fail with a clear error instead: name -> text of the error.
