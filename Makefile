@@ -69,13 +69,13 @@ test-multi: setup
 demo: setup
 	DS_ACCELERATOR=cpu $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py
 
-# The differential fuzzer (tests/multi_gpu/fuzz.py): `make fuzz SEED=N [PROFILE=bf16]` replays one
+# The differential fuzzer (tests/multi_gpu/fuzz.py): `make fuzz SEED=N [PROFILE=bf16] [KNOBS=1]` replays one
 # program; `make fuzz [FUZZ_SECONDS=600] [FUZZ_START=N]` runs new programs for that long.
 FUZZ_SECONDS ?= 600
 FUZZ_START ?= 100000
 PROFILE ?= fp32
 fuzz: setup
-	DS_ACCELERATOR=cpu $(PY) tests/multi_gpu/fuzz.py $(if $(SEED),--seed $(SEED) --profile $(PROFILE),--seconds $(FUZZ_SECONDS) --start $(FUZZ_START))
+	DS_ACCELERATOR=cpu $(PY) tests/multi_gpu/fuzz.py $(if $(SEED),--seed $(SEED) --profile $(PROFILE) $(if $(KNOBS),--knobs),--seconds $(FUZZ_SECONDS) --start $(FUZZ_START))
 
 bench: setup
 	PYTHON=$(PY) bash benchmarks/run_all.sh

@@ -3,8 +3,8 @@
 Each program is drawn from one integer seed (``draw(seed, profile)``), so every rank draws the
 same program and any failure replays with one command:
 
-    make fuzz SEED=<seed> [PROFILE=bf16]          # one program, verbose
-    make fuzz FUZZ_SECONDS=600 [FUZZ_START=N]     # as many programs as fit in the time
+    make fuzz SEED=<seed> [PROFILE=bf16] [KNOBS=1]   # one program, verbose
+    make fuzz FUZZ_SECONDS=600 [FUZZ_START=N]        # as many programs as fit in the time
 
 What a program draws
 - engines: ZeRO stage 0-3, gradient_accumulation_steps 1-3, trained or frozen (built without an
@@ -19,7 +19,12 @@ What a program draws
 - the op sequence of a micro-step: one backward, two backward calls from two forwards, two from
   one forward (``retain_graph``), ``torch.autograd.grad`` of the input only (its result is
   compared with PyTorch's too), ``zero_grad()`` of some engines, then ``step()`` of every
-  trained engine (a step with nothing accumulated when no term reached an engine).
+  trained engine (a step with nothing accumulated when no term reached an engine);
+- with knobs (every second batch of a long run, ``KNOBS=1`` in a replay; from a stream of their
+  own, so a seed's program is otherwise the same): DeepSpeed's ``overlap_comm``,
+  ``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, ZeRO-3's persistence
+  threshold, ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``,
+  ``gradient_predivide_factor`` and ``prescale_gradients`` where DeepSpeed accepts them.
 
 Profiles: ``fp32`` (every engine fp32, exact to 1e-5) and ``bf16`` (every engine bf16, update
 cosine > 0.99 and norm within 5%). Not drawn, because they are documented limits with their own
@@ -113,7 +118,7 @@ def _pick(result, which):
 
 
 # ------------------------------------------------------------------ drawing a program
-def draw(seed: int, profile: str = "fp32") -> dict:
+def draw(seed: int, profile: str = "fp32", knobs: bool = False) -> dict:
     rng = random.Random(seed)
     n = rng.randint(1, 4)
     engines = [dict(stage=rng.randint(0, 3), gas=rng.randint(1, 3), trains=rng.random() < 0.75,
@@ -130,7 +135,33 @@ def draw(seed: int, profile: str = "fp32") -> dict:
     buckets = random.Random(f"buckets-{seed}")
     for e in engines:
         e["bucket"] = buckets.choice([64, 4096])
-    return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad)
+    if knobs:
+        for i, e in enumerate(engines):
+            e["knobs"] = _draw_knobs(random.Random(f"knobs-{seed}-{i}"), e["stage"], profile)
+    return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad,
+                knobs=knobs)
+
+
+def _draw_knobs(rng, stage, profile) -> dict:
+    """DeepSpeed knobs for one engine (issue 24), only in combinations DeepSpeed accepts:
+    ``{"top": top-level keys, "zero": zero_optimization keys}``."""
+    top, zero = {}, {}
+    if stage >= 1:
+        zero.update(contiguous_gradients=rng.random() < 0.5, reduce_scatter=rng.random() < 0.5)
+    if stage >= 2:  # refused at ZeRO-1 (docs/limits.md)
+        zero["overlap_comm"] = rng.random() < 0.5
+    if stage in (1, 2) and profile == "fp32":  # refused with 16-bit (deepspeed_multi/config.py)
+        zero["round_robin_gradients"] = rng.random() < 0.3
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=rng.choice([0, 0, 64, 100_000]),
+                    stage3_max_live_parameters=rng.choice([10**9, 256]),
+                    stage3_max_reuse_distance=rng.choice([10**9, 0]))
+    # DeepSpeed refuses a predivide factor or prescaling with reduce_scatter at ZeRO-2 and ZeRO-3.
+    if stage == 1 or (stage >= 2 and not zero["reduce_scatter"]):
+        top["gradient_predivide_factor"] = rng.choice([1.0, 1.0, 2.0, 4.0])
+        if stage < 3:
+            top["prescale_gradients"] = rng.random() < 0.25
+    return {"top": top, "zero": zero}
 
 
 def _draw_expr(rng, n, depth):
@@ -151,10 +182,21 @@ def _draw_expr(rng, n, depth):
 def describe(spec) -> str:
     engines = ", ".join(f"e{i}: ZeRO-{e['stage']} gas {e['gas']} {'trained' if e['trains'] else 'frozen'} "
                         f"{e['out']}{' tied' if e['tied'] else ''} bucket {e.get('bucket', 64)}"
+                        + (f" knobs {_knobs_str(e['knobs'])}" if "knobs" in e else "")
                         for i, e in enumerate(spec["engines"]))
     terms = "; ".join(f"{t['loss']}({_expr_str(t['expr'])}) on {t['when']} steps" for t in spec["terms"])
     return (f"seed {spec['seed']} ({spec['profile']}): engines [{engines}]; loss = {terms}; "
             f"plan {spec['plan']}; zero_grad {['e%d' % i for i in spec['zero_grad']]}")
+
+
+def _knobs_str(knobs) -> str:
+    values = {**knobs["top"], **knobs["zero"]}
+    return "{" + ", ".join(f"{k}={v}" for k, v in values.items()) + "}"
+
+
+def _replay(seed, profile, knobs) -> str:
+    return (f"make fuzz SEED={seed}" + (f" PROFILE={profile}" if profile != "fp32" else "")
+            + (" KNOBS=1" if knobs else ""))
 
 
 def _expr_str(expr):
@@ -223,6 +265,9 @@ def build(spec) -> Scenario:
         bucket = e.get("bucket", 64)
         cfg = ds_config(e["stage"], dtype, e["gas"], zero_optimization=dict(
             reduce_bucket_size=bucket, allgather_bucket_size=bucket, stage3_prefetch_bucket_size=bucket))
+        if "knobs" in e:
+            cfg.update(e["knobs"]["top"])
+            cfg["zero_optimization"].update(e["knobs"]["zero"])
         members[f"e{i}"] = Member(build_fn, cfg, trainable=e["trains"])
     terms = spec["terms"]
     trained = [f"e{i}" for i, e in enumerate(spec["engines"]) if e["trains"]]
@@ -273,11 +318,11 @@ def build(spec) -> Scenario:
 
 
 # ------------------------------------------------------------------ checking programs (rank functions)
-def check(seed: int, profile: str = "fp32") -> None:
+def check(seed: int, profile: str = "fp32", knobs: bool = False) -> None:
     import deepspeed.comm as dist
 
     import deepspeed_multi
-    spec = draw(seed, profile)
+    spec = draw(seed, profile, knobs)
     scenario = build(spec)
     try:
         engines = run_engines(scenario, deepspeed_multi.initialize)
@@ -286,9 +331,8 @@ def check(seed: int, profile: str = "fp32") -> None:
         plain16 = _plain_16bit_input_grads(spec) if profile != "fp32" else None
         _compare_input_grads(scenario.input_grads, dist.get_rank(), profile, plain16)
     except Exception as e:
-        replay = f"make fuzz SEED={seed}" + (f" PROFILE={profile}" if profile != "fp32" else "")
         raise AssertionError(f"fuzz program failed: {describe(spec)}\n  {type(e).__name__}: {e}\n"
-                             f"  replay: {replay}") from e
+                             f"  replay: {_replay(seed, profile, knobs)}") from e
 
 
 def _plain_16bit_input_grads(spec):
@@ -344,12 +388,12 @@ def _cos_ratio(got, want):
     return torch.nn.functional.cosine_similarity(g, w, dim=0).item(), (g.norm() / w.norm()).item()
 
 
-def check_many(seeds, profile="fp32", log=True):
+def check_many(seeds, profile="fp32", log=True, knobs=False):
     """Rank function: every program of ``seeds``; the first failure ends the batch with its replay."""
     for seed in seeds:
-        if log:
-            print(f"fuzz: seed {seed} ({profile})", flush=True)  # in the rank logs, should a program hang
-        check(seed, profile)
+        if log:  # in the rank logs, should a program hang
+            print(f"fuzz: seed {seed} ({profile}{', knobs' if knobs else ''})", flush=True)
+        check(seed, profile, knobs)
     return len(seeds)
 
 
@@ -362,35 +406,43 @@ def main(argv=None):
     parser.add_argument("--start", type=int, default=100_000, help="first seed of a long run")
     parser.add_argument("--batch", type=int, default=25, help="programs per process launch")
     parser.add_argument("--bf16-every", type=int, default=5, help="every Nth batch uses the bf16 profile")
+    parser.add_argument("--knobs", action="store_true", help="with --seed: the program with DeepSpeed knobs drawn")
+    parser.add_argument("--knobs-every", type=int, default=2, help="every Nth batch draws DeepSpeed knobs too")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from harness import run_distributed
     if args.seed is not None:
-        print(describe(draw(args.seed, args.profile)))
-        run_distributed(check_many, [args.seed], args.profile, world_size=WORLD_SIZE, timeout_s=300)
+        print(describe(draw(args.seed, args.profile, args.knobs)))
+        run_distributed(check_many, [args.seed], args.profile, True, args.knobs, world_size=WORLD_SIZE, timeout_s=300)
         print("ok")
         return 0
     deadline = time.monotonic() + args.seconds
     seed, batches, done, failures, t0 = args.start, 0, {"fp32": 0, "bf16": 0}, [], time.monotonic()
+    with_knobs = 0
     while time.monotonic() < deadline:
         profile = "bf16" if args.bf16_every and batches % args.bf16_every == args.bf16_every - 1 else "fp32"
+        knobs = bool(args.knobs_every) and batches % args.knobs_every == args.knobs_every - 1
         seeds = list(range(seed, seed + args.batch))
         try:
-            run_distributed(check_many, seeds, profile, world_size=WORLD_SIZE, timeout_s=60 + 15 * len(seeds))
+            run_distributed(check_many, seeds, profile, True, knobs, world_size=WORLD_SIZE,
+                            timeout_s=60 + 15 * len(seeds))
             done[profile] += len(seeds)
+            with_knobs += len(seeds) * knobs
         except AssertionError as e:
             text = str(e)
             found = re.search(r"fuzz program failed: seed (\d+)", text)
             failed = int(found.group(1)) if found else None
             start = text.find("fuzz program failed") if found else 0
             failures.append((failed, profile, text[start:start + 2500].split("\n----- rank")[0]))
-            print(f"FAILED ({profile}) batch {seeds[0]}..{seeds[-1]}, seed {failed}:\n{failures[-1][2]}\n", flush=True)
+            print(f"FAILED ({profile}{', knobs' if knobs else ''}) batch {seeds[0]}..{seeds[-1]}, seed {failed}:\n{failures[-1][2]}\n", flush=True)
             if failed is not None:
                 done[profile] += failed - seeds[0]
+                with_knobs += (failed - seeds[0]) * knobs
                 seeds = seeds[:failed - seeds[0] + 1]
         seed = seeds[-1] + 1
         batches += 1
-        print(f"fuzz: {sum(done.values())} programs passed ({done['fp32']} fp32, {done['bf16']} bf16), "
+        print(f"fuzz: {sum(done.values())} programs passed ({done['fp32']} fp32, {done['bf16']} bf16, "
+              f"{with_knobs} with knobs), "
               f"{len(failures)} failed, {time.monotonic() - t0:.0f} s, next seed {seed}", flush=True)
     print(f"fuzz summary: {sum(done.values())} programs passed, {len(failures)} failed "
           f"(seeds {[f[0] for f in failures]}), {time.monotonic() - t0:.0f} s")

@@ -27,6 +27,15 @@ def test_stage1_overlap_comm_refused_with_fix():
         prepare_engine_config({"zero_optimization": {"stage": 1, "overlap_comm": True}})
 
 
+@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (2, "fp16"), (2, "bf16")])
+def test_round_robin_with_16bit_refused_with_fix(stage, dtype):
+    cfg = {"zero_optimization": {"stage": stage, "round_robin_gradients": True}, dtype: {"enabled": True}}
+    with pytest.raises(ValueError, match=f"round_robin_gradients=true with {dtype} at ZeRO stage {stage}.*false"):
+        prepare_engine_config(cfg)
+    ok = {"zero_optimization": {"stage": stage, "round_robin_gradients": True}}  # fp32: exact (fuzzed)
+    prepare_engine_config(ok)
+
+
 def test_load_config_from_path(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 3}}')
