@@ -245,6 +245,16 @@ def _gather_waiting_each(original):
     return gather
 
 
+# ZeRO-2 with contiguous_gradients=false gives wrong gradients on 0.19.4 (measured, upstream too:
+# max error 4e-2 against plain PyTorch, single engine, gas 1 and 2); right on 0.19.8; 0.19.5-0.19.7
+# not measured. Refused below this release (config.prepare_engine_config).
+NONCONTIGUOUS_ZERO2_FROM = (0, 19, 8)
+
+
+def noncontiguous_zero2_ok(version: Optional[str] = None) -> bool:
+    return _version_tuple(version or installed_version())[:3] >= NONCONTIGUOUS_ZERO2_FROM
+
+
 def apply_fixes(version: Optional[str] = None) -> List[str]:
     """Install the fixes the installed release needs (see the Note); return their names. Idempotent."""
     applied = []

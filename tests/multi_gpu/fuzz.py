@@ -47,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from deepspeed_multi import compat  # noqa: E402
 from common import FP32_TOL, Member, Phase, Scenario, compare, ds_config, run_engines, run_reference  # noqa: E402
 
 OUTPUTS = ("tensor", "tuple", "dict", "dataclass", "modeloutput")
@@ -148,6 +149,8 @@ def _draw_knobs(rng, stage, profile) -> dict:
     top, zero = {}, {}
     if stage >= 1:
         zero.update(contiguous_gradients=rng.random() < 0.5, reduce_scatter=rng.random() < 0.5)
+        if stage == 2 and not compat.noncontiguous_zero2_ok():  # refused there (deepspeed_multi/config.py)
+            zero["contiguous_gradients"] = True
     if stage >= 2:  # refused at ZeRO-1 (docs/limits.md)
         zero["overlap_comm"] = rng.random() < 0.5
     if stage in (1, 2) and profile == "fp32":  # refused with 16-bit (deepspeed_multi/config.py)

@@ -36,6 +36,16 @@ def test_round_robin_with_16bit_refused_with_fix(stage, dtype):
     prepare_engine_config(ok)
 
 
+def test_noncontiguous_zero2_refused_on_releases_that_get_it_wrong(monkeypatch):
+    from deepspeed_multi import compat
+    cfg = {"zero_optimization": {"stage": 2, "contiguous_gradients": False}}
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.19.4")
+    with pytest.raises(ValueError, match="contiguous_gradients=false at ZeRO stage 2.*0.19.4.*contiguous_gradients true"):
+        prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.19.8")
+    prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
+
+
 def test_load_config_from_path(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 3}}')
