@@ -8,10 +8,6 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("DSM_TEST_TIMEOUT", "240"))
 
 
 def _allow_fp16_on_cpu(gpu):
-    # DeepSpeed JIT-builds its CPU shared-memory comm op (about 45 s per environment) for
-    # inference_all_reduce only, which nothing here calls: the rank processes do without it.
-    import deepspeed.ops
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not gpu:
         # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU,
         # yet torch computes fp16 on any CPU; the fp16 tests need it (test-only).
