@@ -38,14 +38,20 @@ def ds_config(stage, gas, clip):
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 
 
-def _args(out, gas, max_grad_norm, deepspeed=None, **kw):
+def _args(out, gas, max_grad_norm, deepspeed=None, args_cls=None, **kw):
+    """``args_cls`` (TrainingArguments, or a TRL config) with the fields every job here shares."""
     from transformers import TrainingArguments
     args = dict(output_dir=out, per_device_train_batch_size=MICRO_BS, gradient_accumulation_steps=gas,
                 learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=max_grad_norm,
                 num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
                 data_seed=0, dataloader_drop_last=True, disable_tqdm=True, deepspeed=deepspeed)
     args.update(kw)
-    return TrainingArguments(**args)
+    return (args_cls or TrainingArguments)(**args)
+
+
+def _trl_args(config_cls, gas, deepspeed=None, **kw):
+    """A TRL trainer's config for these jobs: fp32, ``max_grad_norm`` 0.5, a fresh shared directory."""
+    return _args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), args_cls=config_cls, bf16=False, **kw)
 
 
 def _clear_ds_env():
@@ -216,11 +222,7 @@ def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False):
     _fresh_process_state()
     policy, reference = causal_lm(), causal_lm()
     reference.load_state_dict(policy.state_dict())
-    args = DPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=MICRO_BS, gradient_accumulation_steps=gas,
-                     learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=0.5,
-                     num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-                     seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True, beta=0.5,
-                     deepspeed=copy.deepcopy(deepspeed),
+    args = _trl_args(DPOConfig, gas, deepspeed, beta=0.5,
                      **(dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5) if sync else {}))
     kw = {} if roles is None else {"deepspeed_roles": roles}
     trainer = trainer_cls(model=policy, ref_model=reference, args=args, train_dataset=preference_data(),
@@ -263,11 +265,8 @@ def _reward_small_ids(completions, **kw):
 def run_grpo(trainer_cls, gas, policy_dir, deepspeed=None, roles=None, reward_dir=None, config_cls=None):
     from trl import GRPOConfig
     _fresh_process_state()
-    args = (config_cls or GRPOConfig)(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
-                      num_generations=4, max_completion_length=4, learning_rate=2e-2, lr_scheduler_type="linear",
-                      warmup_steps=0, max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no",
-                      report_to=[], use_cpu=True, bf16=False, seed=0, data_seed=0, disable_tqdm=True, beta=0.1,
-                      temperature=1.0, deepspeed=copy.deepcopy(deepspeed))
+    args = _trl_args(config_cls or GRPOConfig, gas, deepspeed, per_device_train_batch_size=4, num_generations=4,
+                     max_completion_length=4, dataloader_drop_last=False, beta=0.1, temperature=1.0)
     kw = {} if roles is None else {"deepspeed_roles": roles}
     rewards = [_reward_small_ids] + ([reward_dir] if reward_dir else [])
     if reward_dir:
@@ -319,11 +318,8 @@ def run_distillation(trainer_cls, gas, policy_dir, teacher_dir, deepspeed=None, 
     from transformers import AutoModelForCausalLM
     from trl import DistillationConfig
     _fresh_process_state()
-    args = DistillationConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
-                              max_completion_length=4, learning_rate=2e-2, lr_scheduler_type="linear",
-                              warmup_steps=0, max_grad_norm=0.5, num_train_epochs=1, logging_steps=1,
-                              save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0, data_seed=0,
-                              disable_tqdm=True, temperature=1.0, deepspeed=copy.deepcopy(deepspeed))
+    args = _trl_args(DistillationConfig, gas, deepspeed, per_device_train_batch_size=4, max_completion_length=4,
+                     dataloader_drop_last=False, temperature=1.0)
     kw = {} if roles is None else {"deepspeed_roles": roles}
     trainer = trainer_cls(model=policy_dir, teacher_model=AutoModelForCausalLM.from_pretrained(teacher_dir),
                           args=args, train_dataset=_prompts(32), processing_class=word_tokenizer(), **kw)
@@ -359,11 +355,8 @@ def run_online_dpo(trainer_cls, gas, policy_dir, reward_dir, deepspeed=None, rol
     from transformers import AutoModelForCausalLM
     from trl.experimental.online_dpo import OnlineDPOConfig
     _fresh_process_state()
-    args = OnlineDPOConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
-                           max_new_tokens=4, learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0,
-                           max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[],
-                           use_cpu=True, bf16=False, seed=0, data_seed=0, disable_tqdm=True, temperature=1.0,
-                           beta=[0.1], deepspeed=copy.deepcopy(deepspeed))
+    args = _trl_args(OnlineDPOConfig, gas, deepspeed, per_device_train_batch_size=4, max_new_tokens=4,
+                     dataloader_drop_last=False, temperature=1.0, beta=[0.1])
     kw = {} if roles is None else {"deepspeed_roles": roles}
     trainer = trainer_cls(model=policy_dir, ref_model=AutoModelForCausalLM.from_pretrained(policy_dir),
                           reward_funcs=[reward_dir], args=args, train_dataset=_prompts(32),
@@ -407,11 +400,8 @@ def run_gkd(trainer_cls, gas, policy_dir, teacher_dir, deepspeed=None, roles=Non
     _fresh_process_state()
     tok = word_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    args = GKDConfig(output_dir=_shared_tmp(), per_device_train_batch_size=4, gradient_accumulation_steps=gas,
-                     max_new_tokens=4, max_length=16, learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0,
-                     max_grad_norm=0.5, num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[],
-                     use_cpu=True, bf16=False, seed=0, data_seed=0, disable_tqdm=True, temperature=1.0, lmbda=0.5,
-                     deepspeed=copy.deepcopy(deepspeed))
+    args = _trl_args(GKDConfig, gas, deepspeed, per_device_train_batch_size=4, max_new_tokens=4, max_length=16,
+                     dataloader_drop_last=False, temperature=1.0, lmbda=0.5)
     kw = {} if roles is None else {"deepspeed_roles": roles}
     trainer = trainer_cls(model=policy_dir, teacher_model=AutoModelForCausalLM.from_pretrained(teacher_dir), args=args,
                           train_dataset=_chats(), processing_class=tok, **kw)
