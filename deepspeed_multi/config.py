@@ -5,6 +5,8 @@ from typing import Optional
 
 from deepspeed.runtime.constants import MANAGED_GRADIENT_ACCUMULATION
 
+from . import compat
+
 
 def load_config(config):
     """A fresh dict from a dict or a path (JSON/HJSON, as DeepSpeed accepts)."""
@@ -39,12 +41,11 @@ def prepare_engine_config(config: dict):
         raise ValueError("deepspeed_multi: zero_optimization.overlap_comm=true is not supported with ZeRO stage 1 "
                          "(DeepSpeed supports it only with managed accumulation). Set overlap_comm to false, or use "
                          "stage 2, which reduces during backward anyway.")
-    if stage == 2 and config.get("zero_optimization", {}).get("contiguous_gradients") is False:
-        from . import compat
-        if not compat.noncontiguous_zero2_ok():
-            raise ValueError(f"deepspeed_multi: zero_optimization.contiguous_gradients=false at ZeRO stage 2 gives wrong "
-                             f"gradients with DeepSpeed {compat.installed_version()} (measured on 0.19.4, upstream too; "
-                             "right on 0.19.8). Leave contiguous_gradients true, or install deepspeed==0.19.8.")
+    noncontiguous = config.get("zero_optimization", {}).get("contiguous_gradients") is False
+    if stage == 2 and noncontiguous and not compat.noncontiguous_zero2_ok():
+        raise ValueError(f"deepspeed_multi: zero_optimization.contiguous_gradients=false at ZeRO stage 2 gives wrong "
+                         f"gradients with DeepSpeed {compat.installed_version()} (measured on 0.19.4, upstream too; "
+                         "right on 0.19.8). Leave contiguous_gradients true, or install deepspeed==0.19.8.")
     sixteen = [k for k in ("fp16", "bf16", "bfloat16") if (config.get(k) or {}).get("enabled") is True]
     if stage in (1, 2) and config.get("zero_optimization", {}).get("round_robin_gradients") and sixteen:
         # Found by the fuzzer: the update's cosine with plain PyTorch is 0.25 (upstream, even unmanaged, is right).

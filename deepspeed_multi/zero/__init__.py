@@ -3,8 +3,9 @@
 Correctness (always): ``buffers`` (gradients kept and discarded with PyTorch's meaning),
 ``stage3_counters`` (a retained graph backpropagated again at ZeRO-3), the direct-use check
 (``autograd.outside_use``) and ``stage3_predivide`` (ZeRO-3 averaging at
-``gradient_predivide_factor`` == world size, installed here before the fast paths). Fast paths (each gives DeepSpeed's bits, each checked by
-``compat.fast_path_exact`` and skipped where it does not apply):
+``gradient_predivide_factor`` == world size, installed here before the fast paths). Fast paths
+(each gives DeepSpeed's bits, each checked by ``compat.fast_path_exact`` and skipped where it
+does not apply):
 
 =====================  ==========  ==================================================================
 feature                stages      what it replaces

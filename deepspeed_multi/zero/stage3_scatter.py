@@ -15,8 +15,9 @@ divide round identically, so the reduced partitions are bit-identical to DeepSpe
 in tests/unit/test_fused_reduce.py against DeepSpeed's interleave, and end to end against fused
 off). Padding is zeroed where DeepSpeed leaves ``torch.empty``; it is never read.
 
-Applies per call where DeepSpeed's own path is the plain one: the communication dtype is the
-gradients' dtype, no ``gradient_predivide_factor`` post-scaling, no hierarchical all-to-all
+Installed only without a ``gradient_predivide_factor`` (post-scaling is stage3_predivide's), and
+applies per call where DeepSpeed's own path is the plain one: the communication dtype is the
+gradients' dtype, no hierarchical all-to-all
 (``zero_quantized_gradients``), no AutoEP averaging group, and more than one gradient (a single
 gradient is reduced in place by DeepSpeed without a copy). Anything else calls DeepSpeed's method.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat, ops
+from . import stage3_predivide
 from .runs import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
 
 FEATURE = "stage3_scatter"
@@ -34,8 +36,6 @@ _METHOD = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 def _plain_path(self, params, grads, communication_data_type) -> bool:
     """DeepSpeed's path for this call is a plain reduce_scatter_coalesced of ``grads`` (see the Note)."""
     if len(grads) < 2 or communication_data_type != self.dtype or self.all2all_process_group is not None:
-        return False
-    if self.postscale_gradients and self.gradient_predivide_factor != 1.0:
         return False
     first = grads[0]
     if first is None or first.dtype not in _SUPPORTED_DTYPES:
@@ -85,9 +85,8 @@ def is_one_run(optimizer, grad_partitions) -> bool:
 
 def applies(optimizer) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    # With a predivide factor every call is DeepSpeed's own (_plain_path), wrapped by stage3_predivide.
-    predivide = getattr(optimizer, "postscale_gradients", False) and getattr(optimizer, "gradient_predivide_factor", 1.0) != 1.0
-    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and not predivide
+    # With a predivide factor DeepSpeed's own method runs, wrapped by stage3_predivide.
+    return (isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and not stage3_predivide.applies(optimizer)
             and compat.fast_path_exact(optimizer, FEATURE)
             and hasattr(optimizer, "all2all_process_group") and hasattr(optimizer, "_autoep_expert_parallel_group"))
 
