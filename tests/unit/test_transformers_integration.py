@@ -99,3 +99,18 @@ def test_an_untested_transformers_or_trl_is_refused_with_the_fix(monkeypatch):
         dsm_transformers.multi_engine_trainer(Another)
     monkeypatch.setenv("DSM_ALLOW_UNTESTED_TRAINERS", "1")
     assert issubclass(dsm_transformers.multi_engine_trainer(Another), Another)
+
+
+def test_the_trl_internals_trl_stages_relies_on_are_there():
+    """integrations/trl_stages.py swaps or calls these (touch_points.tsv); each silently doing
+    nothing if TRL renamed it would bring back the one-config bugs, so a rename fails here."""
+    pytest.importorskip("trl")
+    import importlib
+
+    import transformers.integrations.deepspeed as hf_ds
+    from trl.trainer.callbacks import SyncRefModelCallback
+    utils = importlib.import_module("trl.trainer.utils")
+    divergence = importlib.import_module("trl.kernels.chunked_divergence")
+    assert callable(hf_ds.is_deepspeed_zero3_enabled)
+    assert divergence.maybe_gather_lm_head_ctx is utils.maybe_gather_lm_head_ctx
+    assert callable(SyncRefModelCallback.sync_target_model) and callable(SyncRefModelCallback._sync_target_model)
