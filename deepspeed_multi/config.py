@@ -16,6 +16,19 @@ def load_config(config):
     return load_ds_config(config)
 
 
+def merged(base: dict, override: dict) -> dict:
+    """``base`` with ``override`` over it, section by section (a fresh dict)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def enabled(section) -> bool:
+    """An ``fp16``/``bf16``-style section that is on."""
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
 def zero_stage(config: dict) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 

@@ -163,7 +163,7 @@ class MultiEngine(DeepSpeedEngine):
                 "ZeRO stage <= 2 for this engine.")
 
     def _engine_name(self) -> str:
-        return type(self.module).__name__
+        return getattr(self, "_part_name", None) or type(self.module).__name__  # (parts/build.py names parts)
 
     def _pre_backward(self):
         """First gradient reached this engine in a backward pass: run the prologue once."""

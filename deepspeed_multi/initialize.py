@@ -10,6 +10,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from . import compat
 from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
+from .parts.plan import declared_submodules
 from .reliability.misuse import refuse_engine_as_model
 
 _ENGINE_CLASS_LOCK = threading.Lock()
@@ -34,7 +35,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is None:
         raise ValueError("deepspeed_multi.initialize needs a DeepSpeed config: pass config=<dict or path> "
                          "(or args.deepspeed_config).")
-    config, user_managed, options = prepare_engine_config(load_config(config))
+    config = load_config(config)
+    declared = declared_submodules(config)
+    if declared is not None:  # one model, several ZeRO stages (parts/plan.py)
+        from .parts.build import initialize_parts
+        extra = {} if distributed_port is None else {"distributed_port": distributed_port}
+        return initialize_parts(initialize, model, config, declared, optimizer=optimizer,
+                                model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                                training_data=training_data, args=args, mpu=mpu, dist_init_required=dist_init_required,
+                                collate_fn=collate_fn, mesh_param=mesh_param, **extra)
+    config, user_managed, options = prepare_engine_config(config)
     if optimizer is None and "optimizer" not in config and zero_stage(config) in (1, 2):
         # ZeRO-1/2 partition optimizer states and gradients; an inference-only engine has
         # neither, so it is exactly a stage-0 engine (DeepSpeed refuses stage 1/2 without one).

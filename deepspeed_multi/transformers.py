@@ -49,7 +49,7 @@ import torch
 from . import compat
 from .accelerate.accelerator import Accelerator
 from .accelerate.wrappers import EngineOptimizer
-from .config import load_config
+from .config import enabled, load_config, merged
 from .engine import MultiEngine
 from .integrations import trl_stages
 from .switches import ALLOW_UNTESTED_TRAINERS, switch_on
@@ -148,20 +148,9 @@ def _role_of(trainer, model) -> str:
     return "teacher_model"  # the distillation trainers pass it before assigning it
 
 
-def _merged(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 _FROZEN_ONLY = ("optimizer", "scheduler")           # a role model is prepared without an optimizer
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _PRECISIONS = ("fp16", "bf16")
-
-
-def _enabled(section) -> bool:
-    return isinstance(section, dict) and section.get("enabled") is True
 
 
 def role_config(accelerator, given: dict, role: str = "ref_model") -> dict:
@@ -189,7 +178,7 @@ def role_config(accelerator, given: dict, role: str = "ref_model") -> dict:
         if mine != "auto" and theirs != "auto" and mine != theirs:
             raise ValueError(f"{where} sets {key}={mine!r} but the policy's config has {key}={theirs!r}: the trainer "
                              f"feeds the {role} the policy's micro-batches. Drop {key} from the role's config.")
-    precisions = [p for p in _PRECISIONS if _enabled(given.get(p))]
+    precisions = [p for p in _PRECISIONS if enabled(given.get(p))]
     if len(precisions) > 1:
         raise ValueError(f"{where} enables both fp16 and bf16; a model runs in one. Enable one of them.")
     base = copy.deepcopy(policy)
@@ -198,7 +187,7 @@ def role_config(accelerator, given: dict, role: str = "ref_model") -> dict:
     base.get("zero_optimization", {}).pop("offload_optimizer", None)
     for other in set(_PRECISIONS) - set(precisions) if precisions else ():
         base.pop(other, None)
-    return _merged(base, given)
+    return merged(base, given)
 
 
 def _prepare_role(trainer, original):

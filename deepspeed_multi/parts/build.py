@@ -1,0 +1,69 @@
+"""``deepspeed_multi.initialize`` for a config that declares submodules: one MultiEngine per part."""
+import copy
+
+import torch
+
+from ..config import enabled
+from . import clip, optimizer as parts_optimizer
+from .engine import PartedEngine, PartsOptimizer
+from .plan import REST, Plan
+
+_TRAINING_ONLY = ("optimizer", "scheduler")
+
+
+def initialize_parts(initialize, model, config, declared, optimizer=None, model_parameters=None, lr_scheduler=None,
+                     training_data=None, **kwargs):
+    """Build every part with ``initialize`` (deepspeed_multi.initialize); return DeepSpeed's 4-tuple."""
+    if model_parameters is not None:
+        raise ValueError("deepspeed_multi: model_parameters is not supported with declared submodules: pass an "
+                         "optimizer built over the model's parameters (with your param groups), or an \"optimizer\" "
+                         "config section; each part takes its own share of either.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"deepspeed_multi: with declared submodules the optimizer must be a torch.optim.Optimizer "
+                        f"built over the model's parameters (it is split between the parts); got "
+                        f"{type(optimizer).__name__}.")
+    plan = Plan(model, config, declared)
+    if any(enabled(cfg.get("fp16")) for cfg in plan.configs.values()):
+        for cfg in plan.configs.values():  # an overflow anywhere skips the whole model's update
+            cfg.setdefault("deepspeed_multi", {}).setdefault("skip_group", f"deepspeed_multi.parts.{id(model):x}")
+    split = parts_optimizer.split(optimizer, plan.owner_of(), list(plan.modules)) if optimizer is not None else {}
+    engines, sources, loader = {}, {}, None
+    for name, module in plan.modules.items():
+        cfg = copy.deepcopy(plan.configs[name])
+        part_optimizer, sources[name] = split.get(name, (None, []))
+        trainable = any(p.requires_grad for p in module.parameters())
+        if not trainable or (optimizer is not None and part_optimizer is None):
+            for key in _TRAINING_ONLY:  # a frozen part (or one the optimizer leaves out) is inference-only
+                cfg.pop(key, None)
+            part_optimizer = None
+        engine, _, part_loader, _ = initialize(model=module, optimizer=part_optimizer, config=cfg,
+                                               training_data=training_data if loader is None else None, **kwargs)
+        loader = loader or part_loader
+        engine._part_name = f"{type(model).__name__}.{name}" if name != REST else f"{type(model).__name__} (rest)"
+        clip.check_supported(name, engine)
+        engines[name] = engine
+    _reset_rest_trace_at_model_forward(model, engines.get(REST))
+    scheduler = lr_scheduler
+    parted = PartedEngine(model, engines, optimizer, sources)
+    facade = PartsOptimizer(parted, optimizer)
+    if scheduler is not None and not hasattr(scheduler, "step"):
+        scheduler = scheduler(facade)  # DeepSpeed's callable form: optimizer -> scheduler
+    if scheduler is not None and optimizer is None:
+        raise ValueError("deepspeed_multi: an lr_scheduler object with declared submodules needs the optimizer it "
+                         "schedules passed too (optimizer=...); with a config \"optimizer\" section use a config "
+                         "\"scheduler\" section instead.")
+    parted.lr_scheduler = scheduler
+    return parted, facade, loader, scheduler
+
+
+def _reset_rest_trace_at_model_forward(model, rest):
+    """ZeRO-3 resets its prefetch trace when its root module's forward starts; the rest's root (a
+    container) is never called, so the model's forward starts it instead."""
+    if rest is None or rest.zero_optimization_stage() != 3:
+        return
+    coordinator = getattr(rest.optimizer, "parameter_offload", rest.optimizer).get_param_coordinator()
+
+    def _start_of_model_forward(module, args):
+        coordinator.reset_step()
+
+    model.register_forward_pre_hook(_start_of_model_forward)
