@@ -93,6 +93,8 @@ class PartedEngine(nn.Module):
             with norm.during_step(engine) if norm is not None else contextlib.nullcontext():
                 engine.step(lr_kwargs)
         if boundary and self.lr_scheduler is not None and self._first.skipped_steps == skipped_before:
+            if self._client is not None:
+                self._client._opt_called = True  # the parts stepped for it (torch warns otherwise)
             self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def zero_grad(self, set_to_none=True):

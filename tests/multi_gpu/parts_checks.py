@@ -43,8 +43,9 @@ def batch(step, rank, n=2, length=6):
 
 
 def groups(model, weight_decay=0.1):
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -59,8 +60,13 @@ def case_config(top_stage, submodules, gas, clip, dtype="fp32"):
     return cfg
 
 
-def reference(windows, gas, clip, lr, world):
+def make_model(prepare=None):
     model = MM()
+    return prepare(model) or model if prepare is not None else model
+
+
+def reference(windows, gas, clip, lr, world, prepare=None):
+    model = make_model(prepare)
     opt = torch.optim.AdamW(groups(model), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     norms = []
@@ -68,7 +74,8 @@ def reference(windows, gas, clip, lr, world):
         for r in range(world):
             (model(**batch(step, r)) / (world * gas)).backward()
         if (step + 1) % gas == 0:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else float("inf"))))
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -87,8 +94,8 @@ def train(engine, windows, gas, start=0):
     return norms
 
 
-def build(top_stage, submodules, gas, clip, lr, dtype="fp32"):
-    model = MM()
+def build(top_stage, submodules, gas, clip, lr, dtype="fp32", prepare=None):
+    model = make_model(prepare)
     opt = torch.optim.AdamW(groups(model), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     engine, optimizer, _, scheduler = deepspeed_multi.initialize(
@@ -96,10 +103,11 @@ def build(top_stage, submodules, gas, clip, lr, dtype="fp32"):
     return engine, optimizer, scheduler
 
 
-def check_exact(top_stage, submodules, gas, clip=0.5, windows=3, lr=1e-2):
-    """fp32: every parameter, the logged norms and the learning rate equal plain PyTorch's (1e-5)."""
-    what = f"top ZeRO-{top_stage}, parts {submodules}, gas {gas}, clip {clip}"
-    engine, optimizer, scheduler = build(top_stage, submodules, gas, clip, lr)
+def check_exact(top_stage, submodules, gas, clip=0.5, windows=3, lr=1e-2, prepare=None, label="", generate=False):
+    """fp32: every parameter, the logged norms and the learning rate equal plain PyTorch's (1e-5).
+    ``prepare(model)`` (gradient checkpointing, adapters, frozen parts) runs on both models."""
+    what = f"top ZeRO-{top_stage}, parts {submodules}, gas {gas}, clip {clip} {label}"
+    engine, optimizer, scheduler = build(top_stage, submodules, gas, clip, lr, prepare=prepare)
     stages = engine.zero_optimization_stages()
     for name, stage in submodules.items():
         assert stages[name] == stage, (what, stages)
@@ -107,7 +115,7 @@ def check_exact(top_stage, submodules, gas, clip=0.5, windows=3, lr=1e-2):
         assert stages["_rest"] == top_stage, (what, stages)
     assert isinstance(engine.module, MM) and engine.module.language_model is not None
     got_norms = train(engine, windows, gas)
-    ref, want_norms = reference(windows, gas, clip, lr, dist.get_world_size())
+    ref, want_norms = reference(windows, gas, clip, lr, dist.get_world_size(), prepare)
     assert set(engine.module.state_dict()) == set(ref.state_dict()), what
     for got, want in zip(got_norms, want_norms):
         assert abs(got - want) <= 1e-5 * max(1.0, want), (what, got_norms, want_norms)
@@ -119,9 +127,15 @@ def check_exact(top_stage, submodules, gas, clip=0.5, windows=3, lr=1e-2):
     got = full_params(engine.module)
     want = {n: p.detach().float() for n, p in ref.named_parameters()}
     err = max((got[n] - want[n]).abs().max().item() for n in want)
-    moved = max((want[n] - p.detach().float()).abs().max().item() for n, p in MM().named_parameters())
+    moved = max((want[n] - p.detach().float()).abs().max().item() for n, p in make_model(prepare).named_parameters())
     assert moved > 1e-3, f"{what}: the reference did not move"
     assert err <= FP32_TOL, f"{what}: max abs error {err:.3e} vs plain PyTorch"
+    if generate:  # the ZeRO-3 part called on its own, through Transformers' generate()
+        prompt = batch(0, 0)["input_ids"][:1, :4]
+        with torch.no_grad():
+            got = engine.module.language_model.generate(prompt, max_new_tokens=4, do_sample=False)
+            want = ref.language_model.generate(prompt, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want), (what, got, want)
     return err
 
 
@@ -147,10 +161,115 @@ def check_resume(top_stage, submodules, gas, clip=0.5, windows=4, lr=1e-2):
         shutil.rmtree(root[0], ignore_errors=True)
 
 
-def run_all():
+
+
+def freeze_vision(model):
+    model.vision_tower.requires_grad_(False)
+
+
+def checkpointing(reentrant):
+    def prepare(model):
+        model.language_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return prepare
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+    model.language_model = get_peft_model(model.language_model, LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def lora_checkpointed(model):
+    lora(model)
+    model.language_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def part_params(engine):
+    """Model parameter name -> full fp32 value, read part by part (the fp32 master weights of a 16-bit part)."""
+    out = {}
+    for name, part in engine.parts.items():
+        prefix = "" if name == "_rest" else name + "."
+        for n, v in full_params(part).items():
+            out[prefix + n.replace("/", ".")] = v
+    return out
+
+
+def _cosine_and_ratio(got, want, initial):
+    dg = torch.cat([(got[n] - initial[n]).flatten() for n in sorted(want)])
+    dw = torch.cat([(want[n] - initial[n]).flatten() for n in sorted(want)])
+    return float(torch.nn.functional.cosine_similarity(dg, dw, dim=0)), float(dg.norm() / dw.norm())
+
+
+def check_16bit(dtype, gas=2, windows=3, poisoned=1, clip=0.5, lr=1e-2):
+    """bf16/fp16 parts (encoder side ZeRO-2, LLM ZeRO-3): the update's cosine with plain fp32 PyTorch
+    > 0.99 and its norm within 5%. fp16: an overflow in the encoder's gradients only (window
+    ``poisoned``) skips the whole model's update (every part unchanged, the schedule held), as a
+    GradScaler skips the whole optimizer step."""
+    what = f"{dtype} parts, gas {gas}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, _, scheduler = build(2, {"language_model": 3}, gas, clip, lr, dtype=dtype)
+    assert engine.zero_optimization_stages() == {"language_model": 3, "_rest": 2}
+    poison = {"on": False}
+
+    def poison_output(module, args, output):
+        if poison["on"]:
+            output.last_hidden_state.register_hook(lambda g: g * float("inf"))
+
+    engine.module.vision_tower.register_forward_hook(poison_output)
+    initial = part_params(engine)
+    for step in range(windows * gas):
+        window = step // gas
+        poison["on"] = dtype == "fp16" and window == poisoned and step % gas == 0
+        if dtype == "fp16" and window == poisoned and step % gas == 0:
+            before = part_params(engine)
+        engine(**batch(step, rank)).backward()
+        engine.step()
+        if dtype == "fp16" and window == poisoned and (step + 1) % gas == 0:
+            after = part_params(engine)
+            moved = {n: (after[n] - before[n]).abs().max().item() for n in before}
+            assert max(moved.values()) == 0, f"{what}: the overflowing window moved {max(moved, key=moved.get)}"
+            assert engine.skipped_steps == 1 and all(p.skipped_steps == 1 for p in engine.parts.values()), what
+    assert engine.skipped_steps == (1 if dtype == "fp16" else 0), what
+    assert scheduler.last_epoch == windows - engine.skipped_steps, (what, scheduler.last_epoch)
+    # The reference: fp32, the poisoned window's update skipped (its gradients dropped, the schedule held).
+    model = MM()
+    opt = torch.optim.AdamW(groups(model), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(windows * gas):
+        for r in range(world):
+            (model(**batch(step, r)) / (world * gas)).backward()
+        if (step + 1) % gas == 0:
+            if dtype == "fp16" and step // gas == poisoned:
+                opt.zero_grad(set_to_none=True)
+                continue
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    want = {n: p.detach().float() for n, p in model.named_parameters()}
+    cosine, ratio = _cosine_and_ratio(part_params(engine), want, initial)
+    assert cosine > 0.99 and abs(ratio - 1) < 0.05, f"{what}: update cosine {cosine:.4f}, norm ratio {ratio:.4f}"
+    return cosine, ratio
+
+
+def run_stages():
+    """The encoder side at ZeRO 0, 1 and 2 beside the LLM at ZeRO-3, gas 1 and 2, clip on."""
     for enc in (0, 1, 2):
         for gas in (1, 2):
-            check_exact(enc, {"language_model": 3}, gas)
+            check_exact(enc, {"language_model": 3}, gas, generate=(enc, gas) == (2, 2))
     check_exact(1, {"vision_tower": 2, "language_model": 3}, 2)  # three parts: projector is the rest
     check_exact(3, {"vision_tower": 2}, 2, clip=0.0)  # the rest (projector + LLM) at ZeRO-3
+    check_exact(2, {"vision_tower": 3, "language_model": 3}, 2, prepare=freeze_vision, label="frozen ZeRO-3 vision")
+
+
+def run_features():
+    """Checkpointing and LoRA inside the ZeRO-3 part; 16-bit with an overflow in one part; resume."""
+    check_exact(2, {"language_model": 3}, 2, prepare=checkpointing(False), label="non-reentrant checkpointing")
+    check_exact(2, {"language_model": 3}, 2, prepare=checkpointing(True), label="reentrant checkpointing")
+    check_exact(2, {"language_model": 3}, 2, prepare=lora, clip=0.1, label="LoRA")
+    check_exact(1, {"language_model": 3}, 1, prepare=lora_checkpointed, clip=0.1, label="LoRA + reentrant")
+    check_16bit("bf16")
+    check_16bit("fp16", clip=0.0)  # the skip group alone keeps the parts together
+    check_16bit("fp16")  # and with the clip's whole-model norm (inf when any part overflows)
     check_resume(2, {"language_model": 3}, 2)

@@ -1,7 +1,11 @@
-"""One model, several ZeRO stages (deepspeed_multi/parts): exact against plain PyTorch."""
+"""One model, several ZeRO stages (deepspeed_multi/parts): the multimodal model against plain
+PyTorch on the same global batch (parts_checks.py). One process group per test runs many cases."""
+import pytest
+
 import parts_checks as checks
 from harness import run_distributed
 
 
-def test_multimodal_model_in_parts_exact():
-    run_distributed(checks.run_all, timeout_s=600)
+@pytest.mark.parametrize("cases", ["run_stages", "run_features"])
+def test_multimodal_model_in_parts(cases):
+    run_distributed(getattr(checks, cases), timeout_s=600)
