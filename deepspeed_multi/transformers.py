@@ -51,6 +51,7 @@ from .accelerate.accelerator import Accelerator
 from .accelerate.wrappers import EngineOptimizer
 from .config import enabled, load_config, merged
 from .engine import MultiEngine
+from .parts.engine import PartedEngine
 from .integrations import trl_stages
 from .switches import ALLOW_UNTESTED_TRAINERS, switch_on
 
@@ -64,13 +65,15 @@ class TrainerAccelerator(Accelerator):
     def _prepare_deepspeed(self, *args):
         result = super()._prepare_deepspeed(*args)
         for obj in result:
-            if isinstance(obj, MultiEngine) and obj.has_optimizer:
-                if obj.zero_optimization_stage() == 0:
-                    raise ValueError(
-                        f"deepspeed_multi.transformers: {type(obj.module).__name__} is configured at ZeRO stage 0, "
-                        "where DeepSpeed computes no gradient norm, and the Trainer reads one at every update "
-                        "(grad_norm, clipping). Use ZeRO stage 1-3 for models the Trainer trains.")
-                caller_owns_accumulation(obj)
+            parts = obj.parts.values() if isinstance(obj, PartedEngine) else [obj]
+            for engine in parts:
+                if isinstance(engine, MultiEngine) and engine.has_optimizer:
+                    if engine.zero_optimization_stage() == 0:
+                        raise ValueError(
+                            f"deepspeed_multi.transformers: {engine._engine_name()} is configured at ZeRO stage 0, "
+                            "where DeepSpeed computes no gradient norm, and the Trainer reads one at every update "
+                            "(grad_norm, clipping). Use ZeRO stage 1-3 for models (and parts) the Trainer trains.")
+                    caller_owns_accumulation(engine)
         return result
 
     def backward(self, loss, **kwargs):

@@ -34,6 +34,9 @@ from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSched
 from accelerate.scheduler import AcceleratedScheduler
 
 from ..engine import MultiEngine
+from ..parts.engine import PartedEngine
+
+ENGINES = (MultiEngine, PartedEngine)  # what prepare() builds: one engine per model, or one of parts
 from . import plugins as _plugins
 from ._routing import multi_engine_initialize
 from .cpu_world import sync_world_size
@@ -89,7 +92,7 @@ class Accelerator(accelerate.Accelerator):
             result = list(super()._prepare_deepspeed(*args))
         # Accelerate ties backward() to the first engine; ours drives every engine (see backward).
         self.deepspeed_engine_wrapped = None
-        engine = next((obj for obj in result if isinstance(obj, MultiEngine)), None)
+        engine = next((obj for obj in result if isinstance(obj, ENGINES)), None)
         optimizer = None
         for i, obj in enumerate(result):
             if engine is not None and isinstance(obj, DeepSpeedOptimizerWrapper):
@@ -149,7 +152,7 @@ class Accelerator(accelerate.Accelerator):
         loss.backward(**kwargs)
 
     def _engine_of(self, what, params=None, model=None):
-        engines = [m for m in self._models if isinstance(m, MultiEngine)]
+        engines = [m for m in self._models if isinstance(m, ENGINES)]
         if model is not None:
             for engine in engines:
                 if model is engine or model is engine.module:
@@ -212,6 +215,8 @@ class Accelerator(accelerate.Accelerator):
 
     def get_state_dict(self, model, unwrap=True):
         """Accelerate's ``get_state_dict``, read against ``model``'s own DeepSpeed config."""
+        if self._uses_deepspeed and isinstance(model, PartedEngine):
+            return model.consolidated_state_dict()
         if not self._uses_deepspeed or not isinstance(model, MultiEngine):
             return super().get_state_dict(model, unwrap)
         saved = getattr(self, "deepspeed_config", None)
@@ -226,7 +231,7 @@ class Accelerator(accelerate.Accelerator):
         """Inference-only engines (prepared without an optimizer) never change, and DeepSpeed cannot
         checkpoint a ZeRO-3 engine without an optimizer; save_state/load_state leave them out."""
         models = self._models
-        self._models = [m for m in models if not (isinstance(m, MultiEngine) and not m.has_optimizer)]
+        self._models = [m for m in models if not (isinstance(m, ENGINES) and not m.has_optimizer)]
         try:
             yield
         finally:
@@ -243,7 +248,7 @@ class Accelerator(accelerate.Accelerator):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
     def engines(self):
-        """The MultiEngines prepared so far, in order."""
-        return [m for m in self._models if isinstance(m, MultiEngine)]
+        """The engines prepared so far, in order (MultiEngines, and PartedEngines of models in parts)."""
+        return [m for m in self._models if isinstance(m, ENGINES)]
 
 

@@ -22,6 +22,8 @@ def initialize_parts(initialize, model, config, declared, optimizer=None, model_
         raise TypeError(f"deepspeed_multi: with declared submodules the optimizer must be a torch.optim.Optimizer "
                         f"built over the model's parameters (it is split between the parts); got "
                         f"{type(optimizer).__name__}.")
+    given = copy.deepcopy(config)
+    given.setdefault("deepspeed_multi", {})["submodules"] = copy.deepcopy(declared)
     plan = Plan(model, config, declared)
     if any(enabled(cfg.get("fp16")) for cfg in plan.configs.values()):
         for cfg in plan.configs.values():  # an overflow anywhere skips the whole model's update
@@ -44,7 +46,7 @@ def initialize_parts(initialize, model, config, declared, optimizer=None, model_
         engines[name] = engine
     _reset_rest_trace_at_model_forward(model, engines.get(REST))
     scheduler = lr_scheduler
-    parted = PartedEngine(model, engines, optimizer, sources)
+    parted = PartedEngine(model, engines, optimizer, sources, config=given)
     facade = PartsOptimizer(parted, optimizer)
     if scheduler is not None and not hasattr(scheduler, "step"):
         scheduler = scheduler(facade)  # DeepSpeed's callable form: optimizer -> scheduler

@@ -21,6 +21,7 @@ import torch.nn as nn
 from .. import checkpoint
 from . import clip
 from .optimizer import sync_hyperparameters
+from .plan import REST
 
 
 class PartedEngine(nn.Module):
@@ -30,9 +31,10 @@ class PartedEngine(nn.Module):
     ``engine.parts`` maps each declared submodule name (and ``"_rest"``) to its MultiEngine.
     """
 
-    def __init__(self, model, parts, client_optimizer=None, sources=None, client_scheduler=None):
+    def __init__(self, model, parts, client_optimizer=None, sources=None, client_scheduler=None, config=None):
         super().__init__()
         self.module = model
+        self.config = config or {}  # the model's DeepSpeed config (as DeepSpeedEngine.config), submodules included
         self._parts = dict(parts)  # not submodules: the model already holds every parameter once
         self._client = client_optimizer
         self._sources = sources or {}
@@ -141,6 +143,14 @@ class PartedEngine(nn.Module):
     def device(self):
         return self._first.device
 
+    @property
+    def has_optimizer(self) -> bool:
+        return bool(self._training_parts)
+
+    @property
+    def _window_micro_steps(self) -> int:  # (accelerate/wrappers.py reads the window position)
+        return self._first._window_micro_steps
+
     def get_lr(self):
         groups = self._client.param_groups if self._client is not None else self._first.optimizer.param_groups
         return [g["lr"] for g in groups]
@@ -155,7 +165,21 @@ class PartedEngine(nn.Module):
         return sum(float(n)**2 for n in norms)**0.5
 
     # ---------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state=None):
+    def consolidated_state_dict(self) -> dict:
+        """The whole model's ``state_dict()`` (its own names), ZeRO-3 parts gathered: call on every
+        rank; rank 0 gets every entry (other ranks lack the ZeRO-3 parts'). What Trainer's
+        ``save_model`` writes, so ``from_pretrained`` loads it."""
+        out = {}
+        for name, engine in self._parts.items():
+            prefix = "" if name == REST else name + "."
+            if engine.zero_optimization_stage() == 3:
+                state = engine._zero3_consolidated_16bit_state_dict() or {}
+            else:
+                state = engine.module.state_dict()
+            out.update({prefix + key.replace("/", "."): value for key, value in state.items()})
+        return out
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False):
         """Every part in one atomic checkpoint (deepspeed_multi.save_checkpoint), with the client
         optimizer's hyperparameters and the scheduler's state."""
         state = {"client_state": client_state,
@@ -164,8 +188,14 @@ class PartedEngine(nn.Module):
         checkpoint.save_checkpoint(save_dir, self._parts, client_state=state, tag=tag)
         return True
 
-    def load_checkpoint(self, load_dir, tag=None):
-        """Resume every part; returns ``(load_dir, client_state)`` like DeepSpeedEngine.load_checkpoint."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True):
+        """Resume every part; returns ``(load_dir, client_state)`` like DeepSpeedEngine.load_checkpoint.
+
+        The whole state is always loaded (DeepSpeed's optional parts included); asking for less is refused."""
+        if not (load_optimizer_states and load_lr_scheduler_states):
+            raise ValueError("deepspeed_multi: a model in parts resumes whole (optimizer and scheduler states "
+                             "included); load_optimizer_states / load_lr_scheduler_states=False is not supported.")
         state = checkpoint.load_checkpoint(load_dir, self._parts, tag=tag)
         if self._client is not None and state.get("optimizer") is not None:
             self._client.load_state_dict(state["optimizer"])

@@ -273,3 +273,90 @@ def run_features():
     check_16bit("fp16", clip=0.0)  # the skip group alone keeps the parts together
     check_16bit("fp16")  # and with the clip's whole-model norm (inf when any part overflows)
     check_resume(2, {"language_model": 3}, 2)
+
+
+# ------------------------------------------------------------------------------ Trainer
+IMAGE_TOKEN = hm.VOCAB - 1
+
+
+def llava():
+    """A tiny LlavaForConditionalGeneration (CLIP vision tower, projector, Llama) from configs."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+    vision = CLIPVisionConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=hm.HIDDEN, intermediate_size=32,
+                              num_hidden_layers=1, num_attention_heads=2, projection_dim=hm.HIDDEN)
+    config = LlavaConfig(vision_config=vision, text_config=hm.llama_config(), image_token_index=IMAGE_TOKEN,
+                         vision_feature_layer=-1, vision_feature_select_strategy="full", projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    for name, p in model.named_parameters():
+        if name.endswith("k_proj.bias"):
+            # A key bias shifts every score of a query equally, which softmax ignores: its true gradient
+            # is 0 and what arrives is rounding noise, which Adam turns into steps of +-lr in any two runs.
+            p.requires_grad_(False)
+    return model
+
+
+class ImageTextData(torch.utils.data.Dataset):
+    """Five image tokens (4 patches + CLS) then text; the labels ignore the image positions."""
+
+    def __init__(self, n=24, length=6, seed=11):
+        g = torch.Generator().manual_seed(seed)
+        text = torch.randint(3, hm.VOCAB - 1, (n, length), generator=g)
+        self.ids = torch.cat([torch.full((n, IMAGE_TOKENS), IMAGE_TOKEN), text], dim=1)
+        self.pixels = torch.randn(n, 3, 8, 8, generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[:IMAGE_TOKENS] = -100
+        return {"input_ids": self.ids[i], "pixel_values": self.pixels[i], "labels": labels}
+
+
+def parts_trainer_config(encoder_stage=1, rest_stage=2):
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": rest_stage},
+            "deepspeed_multi": {"submodules": {
+                "model.language_model": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                               "stage3_gather_16bit_weights_on_model_save": True}},
+                "model.vision_tower": {"zero_optimization": {"stage": encoder_stage}}}}}
+
+
+def run_llava_trainer(trainer_cls, gas, deepspeed=None, out=None, resume=None, **kw):
+    import trainer_checks as tc
+    tc._fresh_process_state()
+    out = out or tc._shared_tmp()
+    trainer = trainer_cls(model=llava(), args=tc._args(out, gas, 0.5, copy.deepcopy(deepspeed), **kw),
+                          train_dataset=ImageTextData())
+    return tc._train(trainer, resume)
+
+
+def trainer_parts_vs_ddp(gas=2):
+    """TrainingArguments(deepspeed=<config with submodules>) on LLaVA: the LLM at ZeRO-3, the vision
+    tower at ZeRO-1, the projector and lm_head at ZeRO-2; losses, grad_norm, learning rate and
+    weights equal a DDP Trainer's; save_model -> from_pretrained gives the trained weights; a
+    resume from the step-2 checkpoint equals the uninterrupted run."""
+    from transformers import LlavaForConditionalGeneration, Trainer
+
+    import trainer_checks as tc
+    from deepspeed_multi.transformers import Trainer as MultiTrainer
+    want_logs, want_weights, _ = run_llava_trainer(Trainer, gas)
+    cfg = parts_trainer_config()
+    out = tc._shared_tmp()
+    logs, weights, trainer = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, out=out, save_strategy="steps",
+                                               save_steps=2)
+    (engine, ) = trainer.accelerator.engines()
+    assert engine.zero_optimization_stages() == {"model.language_model": 3, "model.vision_tower": 1, "_rest": 2}
+    assert set(weights) == set(want_weights)
+    tc.compare((logs, weights), (want_logs, want_weights), f"LLaVA in parts, gas {gas}")
+    trainer.save_model(os.path.join(out, "final"))
+    dist.barrier()
+    loaded = LlavaForConditionalGeneration.from_pretrained(os.path.join(out, "final"))
+    err = max((p.float() - weights[n]).abs().max().item() for n, p in loaded.named_parameters())
+    assert err == 0, f"save_model -> from_pretrained differs from the trained weights by {err:.3e}"
+    resumed, rweights, _ = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, out=out,
+                                             resume=os.path.join(out, "checkpoint-2"))
+    assert [h["step"] for h in resumed] == [h["step"] for h in logs], (resumed, logs)
+    tc.compare((resumed, rweights), (logs, weights), "LLaVA in parts resumed at step 2")

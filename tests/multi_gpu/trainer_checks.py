@@ -122,8 +122,9 @@ def compare(got, want, what):
         for key in ("loss", "grad_norm", "learning_rate"):
             assert abs(g[key] - w[key]) <= FP32_TOL * max(1.0, abs(w[key])), \
                 f"{what}: step {w['step']} {key} {g[key]!r} vs DDP {w[key]!r}"
-    err = max((gweights[n] - wweights[n]).abs().max().item() for n in wweights)
-    assert err <= FP32_TOL, f"{what}: final weights differ from DDP's by {err:.3e}"
+    errs = {n: (gweights[n] - wweights[n]).abs().max().item() for n in wweights}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= FP32_TOL, f"{what}: final weights differ from DDP's by {errs[worst]:.3e} (at {worst})"
 
 
 def trainer_vs_ddp(cases):
