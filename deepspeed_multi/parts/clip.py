@@ -27,11 +27,16 @@ import math
 import torch
 from deepspeed.runtime import bf16_optimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-from deepspeed.runtime.utils import combine_grad_norm_groups
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from .. import compat
+
+try:  # ZeRO-3 combines its group norms with this where it exists (an invalid -1 group stays invalid)
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+except ImportError:  # older releases: as their stage 3 combines them
+    def combine_grad_norm_groups(norm_groups):
+        return torch.linalg.vector_norm(torch.stack(list(norm_groups)))
 
 
 def check_supported(name, engine) -> None:
