@@ -2,7 +2,9 @@
 rank_launcher.py, which this wraps for pytest)."""
 import os
 
-from rank_launcher import RanksFailed, run_ranks
+import atexit
+
+from rank_launcher import RankPool, RanksFailed, run_ranks
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DSM_TEST_TIMEOUT", "240"))
 
@@ -15,9 +17,33 @@ def _allow_fp16_on_cpu(gpu):
         type(get_accelerator()).is_fp16_supported = lambda self: True
 
 
-def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; fail with the failing rank's traceback."""
+_POOL = []  # the one RankPool of this test session (see [Note: a pool of ranks] in rank_launcher.py)
+
+
+def _pool(world_size):
+    if _POOL and (_POOL[0].world_size != world_size or not _POOL[0].alive):
+        _POOL.pop().close()
+    if not _POOL:
+        _POOL.append(RankPool(world_size, rank_setup=_allow_fp16_on_cpu))
+    return _POOL[0]
+
+
+@atexit.register
+def _close_pool():
+    while _POOL:
+        _POOL.pop().close()
+
+
+def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, fresh: bool = False,
+                    **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; fail with the failing rank's traceback.
+
+    The ranks are the session's pool, reused from test to test; ``fresh=True`` starts new ranks for
+    this run alone (a test that changes process-wide state it cannot undo)."""
     try:
-        run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s, rank_setup=_allow_fp16_on_cpu, **kwargs)
+        if fresh:
+            run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s, rank_setup=_allow_fp16_on_cpu, **kwargs)
+        else:
+            _pool(world_size).run(fn, *args, timeout_s=timeout_s, **kwargs)
     except RanksFailed as e:
         raise AssertionError(str(e)) from None

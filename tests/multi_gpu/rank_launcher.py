@@ -191,3 +191,125 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank
         raise RanksFailed(f"{fn.__name__} timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
                           f"(a collective that another rank skipped?). Their stacks are in the logs:\n{logs}")
     return [outs[r] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------------------ a pool of ranks
+class RankPool:
+    """``world_size`` ranks that run many functions, one after another, in one process group.
+
+    [Note: a pool of ranks]
+    Starting ranks costs about 4 s per test on the CI machine (spawn, imports, the process group,
+    DeepSpeed's first engine), more than many tests' own work. A pool starts them once; each
+    ``run`` sends one function to every rank and waits as :func:`run_ranks` does (deadline,
+    traceback dump before it, first failing rank ends the run). A run that fails or passes its
+    deadline may leave a rank inside a collective, so it closes the pool: the next run starts a
+    fresh one. Each rank collects garbage between functions, so engines of one test do not
+    outlive it; a test that changes process-wide state it cannot undo asks for fresh ranks.
+    """
+
+    def __init__(self, world_size, rank_setup=None):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.rank_setup = rank_setup
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._log_dir = tempfile.mkdtemp(prefix="dsm_pool_")
+        self._seq = 0
+        gpu, port = use_gpu(world_size), _free_port()
+        self._procs = [ctx.Process(target=_pool_rank_main, args=(r, world_size, port, gpu, self._log_dir, rank_setup,
+                                                                 self._tasks[r], self._results), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn, *args, timeout_s: float = 240, **kwargs) -> list:
+        self._seq += 1
+        seq = self._seq
+        for q in self._tasks:
+            q.put((seq, fn, args, kwargs, timeout_s))
+        deadline = time.monotonic() + timeout_s
+        outs, failure = {}, None
+        while len(outs) < self.world_size and failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                got_seq, rank, out, tb = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+                if dead:
+                    failure = (dead[0], f"rank {dead[0]} died with exit code {self._procs[dead[0]].exitcode}")
+                continue
+            if got_seq != seq:
+                continue
+            if tb is not None:
+                failure = (rank, tb)
+            else:
+                outs[rank] = out
+        if failure is None and len(outs) == self.world_size:
+            return [outs[r] for r in range(self.world_size)]
+        time.sleep(0.5)  # let the other ranks' logs catch up
+        logs = "\n".join(f"----- rank {r} log (tail) -----\n{_tail(os.path.join(self._log_dir, f'rank{r}.log'))}"
+                         for r in range(self.world_size))
+        self.close()
+        if failure is not None:
+            rank, tb = failure
+            raise RanksFailed(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{tb}\n{logs}")
+        missing = sorted(set(range(self.world_size)) - set(outs))
+        raise RanksFailed(f"{fn.__name__} timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
+                          f"(a collective that another rank skipped?). Their stacks are in the logs:\n{logs}")
+
+    def close(self) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        end = time.monotonic() + 10
+        for p in self._procs:
+            p.join(timeout=max(0.1, end - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+
+
+def _pool_rank_main(rank, world_size, port, gpu, log_dir, rank_setup, tasks, results):
+    import gc
+    log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      DS_ACCELERATOR="cuda" if gpu else "cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.comm as dist
+    if gpu:
+        torch.cuda.set_device(rank)
+    if rank_setup is not None:
+        rank_setup(gpu)
+    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        seq, fn, args, kwargs, timeout_s = item
+        print(f"===== {fn.__module__}.{fn.__name__} =====", flush=True)
+        faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False, file=log)
+        try:
+            out = fn(*args, **kwargs)
+            dist.barrier()
+            results.put((seq, rank, out, None))
+        except BaseException:  # noqa: BLE001 - every failure must reach the parent
+            results.put((seq, rank, None, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            gc.collect()
+    _destroy_process_groups()

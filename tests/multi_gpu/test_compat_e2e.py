@@ -161,4 +161,4 @@ def _check():
 
 
 def test_changed_methods_and_versions_turn_fast_paths_off_exactly():
-    run_distributed(_check, timeout_s=180)
+    run_distributed(_check, timeout_s=180, fresh=True)  # it swaps DeepSpeed methods and versions process-wide
