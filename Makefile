@@ -75,7 +75,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_START ?= 100000
 PROFILE ?= fp32
 fuzz: setup
-	DS_ACCELERATOR=cpu $(PY) tests/multi_gpu/fuzz.py $(if $(SEED),--seed $(SEED) --profile $(PROFILE) $(if $(KNOBS),--knobs),--seconds $(FUZZ_SECONDS) --start $(FUZZ_START))
+	DS_ACCELERATOR=cpu $(PY) tests/multi_gpu/fuzz.py $(if $(SEED),--seed $(SEED) --profile $(PROFILE) $(if $(KNOBS),--knobs) $(if $(PARTS),--parts),--seconds $(FUZZ_SECONDS) --start $(FUZZ_START))
 
 bench: setup
 	PYTHON=$(PY) bash benchmarks/run_all.sh

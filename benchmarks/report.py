@@ -29,6 +29,13 @@ SECTIONS = [
      "Ours (encoder ZeRO-2 + LLM ZeRO-3, two engines, one `loss.backward()`) against the upstream super-module at "
      "ZeRO-3 and PyTorch FSDP2 (`fully_shard` per block), AdamW fp32, at two sizes. Ratios are ours / that "
      "variant, paired per step (< 1: ours is faster or smaller)."),
+    ("parts", "One model, several ZeRO stages: the LLM at ZeRO-3 inside one model",
+     "Vision tower -> projector -> LLM as one `nn.Module` under one loss: ours (`deepspeed_multi.submodules` puts "
+     "the LLM at ZeRO-3, the rest of the model at ZeRO-2) against the whole model in one upstream ZeRO-3 engine "
+     "(DeepSpeed's only way to have the LLM at ZeRO-3 without splitting the model) and PyTorch FSDP2 sharding only "
+     "the LLM, at two sizes, fp32 and bf16; and peak memory while building the model: plainly, in "
+     "`deepspeed_multi.zero_init` with the parted config, and in `deepspeed.zero.Init` for the whole model. Ratios "
+     "are ours / that variant, paired per step (< 1: ours is faster or smaller)."),
     ("growth", "Growth: engines in one loss, and parameter count",
      "Step time as the number of engines under one loss grows (chained and parallel), and as the parameter "
      "count of an encoder -> LLM pair grows from about 1e5 to 1e8, each beside one upstream ZeRO-3 engine "

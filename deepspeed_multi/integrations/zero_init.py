@@ -13,10 +13,13 @@ makes Transformers partition (and initialise the weights on the gathered paramet
 under ZeRO-3), and a stage-2 block right after builds a plain model, whatever was selected before.
 """
 import contextlib
+import copy
 
 import deepspeed
 
 from ..config import load_config, zero_stage
+from ..parts.construct import zero_init_parts
+from ..parts.plan import declared_submodules
 from .hf_config import hf_deepspeed_config
 
 
@@ -26,9 +29,20 @@ def zero_init(config, **init_kwargs):
 
     ``config`` is a DeepSpeed config dict or a path to one. Extra keyword arguments go to
     ``deepspeed.zero.Init`` (e.g. ``remote_device``, ``dtype``). Transformers models built in
-    the block follow the same config (see [Note: Transformers models under zero_init]).
+    the block follow the same config (see [Note: Transformers models under zero_init]). A config
+    that declares submodules partitions only its ZeRO-3 parts (see [Note: constructing a parted
+    model] in parts/construct.py).
     """
-    config = load_config(config)
+    config = copy.deepcopy(load_config(config))
+    # zero.Init replaces torch.Tensor.__new__ for the block; torch._dynamo checks the signatures of
+    # what it wraps when first imported (as a lazily imported Transformers model does), and fails
+    # on DeepSpeed's replacement. Imported here, before the block, it is never first imported inside.
+    import torch._dynamo  # noqa: F401
+    declared = declared_submodules(config)
+    if declared is not None:  # one model, several ZeRO stages: see [Note: constructing a parted model]
+        with zero_init_parts(config, declared, **init_kwargs):
+            yield
+        return
     if zero_stage(config) != 3:
         with hf_deepspeed_config(None):
             yield

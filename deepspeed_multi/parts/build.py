@@ -47,7 +47,8 @@ def initialize_parts(initialize, model, config, declared, optimizer=None, model_
     _reset_rest_trace_at_model_forward(model, engines.get(REST))
     scheduler = lr_scheduler
     parted = PartedEngine(model, engines, optimizer, sources, config=given)
-    facade = PartsOptimizer(parted, optimizer)
+    # Nothing to optimize (every part frozen, no optimizer given): no optimizer, as DeepSpeed returns.
+    facade = PartsOptimizer(parted, optimizer) if optimizer is not None or parted._training_parts else None
     if scheduler is not None and not hasattr(scheduler, "step"):
         scheduler = scheduler(facade)  # DeepSpeed's callable form: optimizer -> scheduler
     if scheduler is not None and optimizer is None:

@@ -145,6 +145,11 @@ def full_params(engine_or_module):
     """
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
+    parts = getattr(engine_or_module, "parts", None)
+    if isinstance(parts, dict):  # a PartedEngine: each part's, under the model's own names
+        from deepspeed_multi.parts import REST
+        return {("" if name == REST else name + ".") + n.replace("/", "."): v
+                for name, part in parts.items() for n, v in full_params(part).items()}
     module = getattr(engine_or_module, "module", engine_or_module)
     trains = getattr(engine_or_module, "trains", False)
     if trains and (engine_or_module.bfloat16_enabled() or engine_or_module.fp16_enabled()):

@@ -24,7 +24,12 @@ What a program draws
   own, so a seed's program is otherwise the same): DeepSpeed's ``overlap_comm``,
   ``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, ZeRO-3's persistence
   threshold, ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``,
-  ``gradient_predivide_factor`` and ``prescale_gradients`` where DeepSpeed accepts them.
+  ``gradient_predivide_factor`` and ``prescale_gradients`` where DeepSpeed accepts them;
+- with parts (every third batch of a long run, ``PARTS=1`` in a replay; their own stream too):
+  engines whose model declares ``body`` and/or ``head`` as submodules with ZeRO stages of their
+  own (``deepspeed_multi.submodules``), the rest of the model at the engine's stage; at least one
+  part's stage differs from its engine's. Not with knobs (a knob drawn for one stage may be
+  refused at another), and ``head`` not when it is tied to ``emb`` (refused across parts).
 
 Profiles: ``fp32`` (every engine fp32, exact to 1e-5) and ``bf16`` (every engine bf16, update
 cosine > 0.99 and norm within 5%). Not drawn, because they are documented limits with their own
@@ -119,7 +124,7 @@ def _pick(result, which):
 
 
 # ------------------------------------------------------------------ drawing a program
-def draw(seed: int, profile: str = "fp32", knobs: bool = False) -> dict:
+def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = False) -> dict:
     rng = random.Random(seed)
     n = rng.randint(1, 4)
     engines = [dict(stage=rng.randint(0, 3), gas=rng.randint(1, 3), trains=rng.random() < 0.75,
@@ -139,8 +144,21 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False) -> dict:
     if knobs:
         for i, e in enumerate(engines):
             e["knobs"] = _draw_knobs(random.Random(f"knobs-{seed}-{i}"), e["stage"], profile)
+    elif parts:
+        _draw_parts(random.Random(f"parts-{seed}"), engines)
     return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad,
-                knobs=knobs)
+                knobs=knobs, parts=parts)
+
+
+def _draw_parts(rng, engines):
+    """Declared submodules with their own ZeRO stages (one model, several stages) for some engines."""
+    for e in engines:
+        if rng.random() < 0.5:
+            names = ["body"] if e["tied"] else rng.choice([["body"], ["head"], ["body", "head"]])
+            e["parts"] = {name: rng.randint(0, 3) for name in names}
+    if not any(s != e["stage"] for e in engines for s in e.get("parts", {}).values()):
+        e = rng.choice(engines)
+        e.setdefault("parts", {})["body"] = (e["stage"] + rng.randint(1, 3)) % 4
 
 
 def _draw_knobs(rng, stage, profile) -> dict:
@@ -186,6 +204,8 @@ def describe(spec) -> str:
     engines = ", ".join(f"e{i}: ZeRO-{e['stage']} gas {e['gas']} {'trained' if e['trains'] else 'frozen'} "
                         f"{e['out']}{' tied' if e['tied'] else ''} bucket {e.get('bucket', 64)}"
                         + (f" knobs {_knobs_str(e['knobs'])}" if "knobs" in e else "")
+                        + (" parts {" + ", ".join(f"{n}: ZeRO-{s}" for n, s in e["parts"].items()) + "}"
+                           if "parts" in e else "")
                         for i, e in enumerate(spec["engines"]))
     terms = "; ".join(f"{t['loss']}({_expr_str(t['expr'])}) on {t['when']} steps" for t in spec["terms"])
     return (f"seed {spec['seed']} ({spec['profile']}): engines [{engines}]; loss = {terms}; "
@@ -197,9 +217,9 @@ def _knobs_str(knobs) -> str:
     return "{" + ", ".join(f"{k}={v}" for k, v in values.items()) + "}"
 
 
-def _replay(seed, profile, knobs) -> str:
+def _replay(seed, profile, knobs, parts=False) -> str:
     return (f"make fuzz SEED={seed}" + (f" PROFILE={profile}" if profile != "fp32" else "")
-            + (" KNOBS=1" if knobs else ""))
+            + (" KNOBS=1" if knobs else "") + (" PARTS=1" if parts else ""))
 
 
 def _expr_str(expr):
@@ -217,7 +237,9 @@ def _expr_str(expr):
 # ------------------------------------------------------------------ the program as a Scenario
 def _module(model):
     from deepspeed.runtime.engine import DeepSpeedEngine
-    return model.module if isinstance(model, DeepSpeedEngine) else model
+
+    from deepspeed_multi.parts import PartedEngine
+    return model.module if isinstance(model, (DeepSpeedEngine, PartedEngine)) else model
 
 
 def _eval(expr, models, x, memo):
@@ -271,6 +293,9 @@ def build(spec) -> Scenario:
         if "knobs" in e:
             cfg.update(e["knobs"]["top"])
             cfg["zero_optimization"].update(e["knobs"]["zero"])
+        if "parts" in e:
+            cfg["deepspeed_multi"] = {"submodules": {n: {"zero_optimization": {"stage": s}}
+                                                     for n, s in e["parts"].items()}}
         members[f"e{i}"] = Member(build_fn, cfg, trainable=e["trains"])
     terms = spec["terms"]
     trained = [f"e{i}" for i, e in enumerate(spec["engines"]) if e["trains"]]
@@ -295,7 +320,8 @@ def build(spec) -> Scenario:
         loss = _loss(spec, terms, m, b, {}, x)
         if loss is not None:
             (gx, ) = torch.autograd.grad(loss, x, allow_unused=True)
-            side = "engines" if any(hasattr(model, "zero_optimization_stage") for model in m.values()) else "torch"
+            side = "engines" if any(hasattr(model, "zero_optimization_stage") or hasattr(model, "parts")
+                                    for model in m.values()) else "torch"
             input_grads[(side, int(b["step"]), int(b["rank"]))] = gx
         return None
 
@@ -321,21 +347,26 @@ def build(spec) -> Scenario:
 
 
 # ------------------------------------------------------------------ checking programs (rank functions)
-def check(seed: int, profile: str = "fp32", knobs: bool = False) -> None:
+def check(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = False) -> None:
     import deepspeed.comm as dist
 
     import deepspeed_multi
-    spec = draw(seed, profile, knobs)
+    spec = draw(seed, profile, knobs, parts)
     scenario = build(spec)
     try:
         engines = run_engines(scenario, deepspeed_multi.initialize)
+        for i, e in enumerate(spec["engines"]):
+            if "parts" in e:  # the model really is in parts, at the drawn stages (frozen ZeRO-1/2: DeepSpeed's 0)
+                stages = engines[f"e{i}"].zero_optimization_stages()
+                assert all(stages[n] == (s if e["trains"] or s == 3 else 0) for n, s in e["parts"].items()), (
+                    e["parts"], stages)
         reference = run_reference(scenario)
         compare(engines, reference, scenario.members, profile)
         plain16 = _plain_16bit_input_grads(spec) if profile != "fp32" else None
         _compare_input_grads(scenario.input_grads, dist.get_rank(), profile, plain16)
     except Exception as e:
         raise AssertionError(f"fuzz program failed: {describe(spec)}\n  {type(e).__name__}: {e}\n"
-                             f"  replay: {_replay(seed, profile, knobs)}") from e
+                             f"  replay: {_replay(seed, profile, knobs, parts)}") from e
 
 
 def _plain_16bit_input_grads(spec):
@@ -391,12 +422,12 @@ def _cos_ratio(got, want):
     return torch.nn.functional.cosine_similarity(g, w, dim=0).item(), (g.norm() / w.norm()).item()
 
 
-def check_many(seeds, profile="fp32", log=True, knobs=False):
+def check_many(seeds, profile="fp32", log=True, knobs=False, parts=False):
     """Rank function: every program of ``seeds``; the first failure ends the batch with its replay."""
     for seed in seeds:
         if log:  # in the rank logs, should a program hang
-            print(f"fuzz: seed {seed} ({profile}{', knobs' if knobs else ''})", flush=True)
-        check(seed, profile, knobs)
+            print(f"fuzz: seed {seed} ({profile}{', knobs' if knobs else ''}{', parts' if parts else ''})", flush=True)
+        check(seed, profile, knobs, parts)
     return len(seeds)
 
 
@@ -411,41 +442,48 @@ def main(argv=None):
     parser.add_argument("--bf16-every", type=int, default=5, help="every Nth batch uses the bf16 profile")
     parser.add_argument("--knobs", action="store_true", help="with --seed: the program with DeepSpeed knobs drawn")
     parser.add_argument("--knobs-every", type=int, default=2, help="every Nth batch draws DeepSpeed knobs too")
+    parser.add_argument("--parts", action="store_true", help="with --seed: the program with parts drawn")
+    parser.add_argument("--parts-every", type=int, default=3,
+                        help="every Nth batch without knobs draws models in parts")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from harness import run_distributed
     if args.seed is not None:
-        print(describe(draw(args.seed, args.profile, args.knobs)))
-        run_distributed(check_many, [args.seed], args.profile, True, args.knobs, world_size=WORLD_SIZE, timeout_s=300)
+        print(describe(draw(args.seed, args.profile, args.knobs, args.parts)))
+        run_distributed(check_many, [args.seed], args.profile, True, args.knobs, args.parts, world_size=WORLD_SIZE,
+                        timeout_s=300)
         print("ok")
         return 0
     deadline = time.monotonic() + args.seconds
     seed, batches, done, failures, t0 = args.start, 0, {"fp32": 0, "bf16": 0}, [], time.monotonic()
-    with_knobs = 0
+    with_knobs = with_parts = 0
     while time.monotonic() < deadline:
         profile = "bf16" if args.bf16_every and batches % args.bf16_every == args.bf16_every - 1 else "fp32"
         knobs = bool(args.knobs_every) and batches % args.knobs_every == args.knobs_every - 1
+        parts = not knobs and bool(args.parts_every) and batches % args.parts_every == args.parts_every - 1
         seeds = list(range(seed, seed + args.batch))
         try:
-            run_distributed(check_many, seeds, profile, True, knobs, world_size=WORLD_SIZE,
+            run_distributed(check_many, seeds, profile, True, knobs, parts, world_size=WORLD_SIZE,
                             timeout_s=60 + 15 * len(seeds))
             done[profile] += len(seeds)
             with_knobs += len(seeds) * knobs
+            with_parts += len(seeds) * parts
         except AssertionError as e:
             text = str(e)
             found = re.search(r"fuzz program failed: seed (\d+)", text)
             failed = int(found.group(1)) if found else None
             start = text.find("fuzz program failed") if found else 0
             failures.append((failed, profile, text[start:start + 2500].split("\n----- rank")[0]))
-            print(f"FAILED ({profile}{', knobs' if knobs else ''}) batch {seeds[0]}..{seeds[-1]}, seed {failed}:\n{failures[-1][2]}\n", flush=True)
+            print(f"FAILED ({profile}{', knobs' if knobs else ''}{', parts' if parts else ''}) batch {seeds[0]}..{seeds[-1]}, seed {failed}:\n{failures[-1][2]}\n", flush=True)
             if failed is not None:
                 done[profile] += failed - seeds[0]
                 with_knobs += (failed - seeds[0]) * knobs
+                with_parts += (failed - seeds[0]) * parts
                 seeds = seeds[:failed - seeds[0] + 1]
         seed = seeds[-1] + 1
         batches += 1
         print(f"fuzz: {sum(done.values())} programs passed ({done['fp32']} fp32, {done['bf16']} bf16, "
-              f"{with_knobs} with knobs), "
+              f"{with_knobs} with knobs, {with_parts} in parts), "
               f"{len(failures)} failed, {time.monotonic() - t0:.0f} s, next seed {seed}", flush=True)
     print(f"fuzz summary: {sum(done.values())} programs passed, {len(failures)} failed "
           f"(seeds {[f[0] for f in failures]}), {time.monotonic() - t0:.0f} s")

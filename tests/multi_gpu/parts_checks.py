@@ -44,8 +44,9 @@ def batch(step, rank, n=2, length=6):
 
 def groups(model, weight_decay=0.1):
     trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
+    # A parameter partitioned by zero.Init holds an empty tensor: its shape is ds_shape.
+    decay = [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -253,6 +254,54 @@ def check_16bit(dtype, gas=2, windows=3, poisoned=1, clip=0.5, lr=1e-2):
     return cosine, ratio
 
 
+def check_zero_init(top_stage, submodules, gas, clip=0.5, windows=2, lr=1e-2):
+    """Built inside deepspeed_multi.zero_init(config): the ZeRO-3 parts are partitioned at construction,
+    the others are plain parameters; training from those weights equals plain PyTorch from the same ones."""
+    what = f"zero_init: top ZeRO-{top_stage}, parts {submodules}, gas {gas}"
+    config = case_config(top_stage, submodules, gas, clip)
+    with deepspeed_multi.zero_init(config):
+        model = MM()
+    _freeze_key_biases(model)
+    zero3 = [n for n, s in submodules.items() if s == 3] + (["_rest"] if top_stage == 3 else [])
+    for name, p in model.named_parameters():
+        in_zero3 = any(name.startswith(part + ".") for part in zero3) or (
+            "_rest" in zero3 and not any(name.startswith(part + ".") for part in submodules))
+        assert hasattr(p, "ds_id") == in_zero3, (what, name, "partitioned" if hasattr(p, "ds_id") else "plain")
+        if in_zero3 and p.ds_numel >= 2 * dist.get_world_size():
+            assert p.ds_tensor.numel() < p.ds_numel, (what, name, "not partitioned")
+    initial = full_params(model)
+    for t in initial.values():  # every rank starts from the same weights (zero.Init broadcasts rank 0's)
+        other = t.clone()
+        dist.broadcast(other, src=0)
+        assert torch.equal(other, t), what
+    opt = torch.optim.AdamW(groups(model), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    engine, _, _, _ = deepspeed_multi.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
+    train(engine, windows, gas)
+    ref, _ = reference(windows, gas, clip, lr, dist.get_world_size(), prepare=_loads(initial))
+    got = full_params(engine.module)
+    errs = {n: (got[n] - p.detach().float()).abs().max().item() for n, p in ref.named_parameters()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= FP32_TOL, f"{what}: max abs error {errs[worst]:.3e} at {worst}"
+
+
+def _freeze_key_biases(model):
+    """A key bias shifts every score of a query equally, which softmax ignores: its true gradient is 0 and
+    what arrives is rounding noise, which Adam turns into steps of +-lr that no two summation orders share
+    (the reference matched by chance on plainly built weights, not on those zero.Init builds)."""
+    for name, p in model.named_parameters():
+        if name.endswith("k_proj.bias") or name.endswith("attention.key.bias"):
+            p.requires_grad_(False)
+
+
+def _loads(params):
+    def prepare(model):
+        _freeze_key_biases(model)
+        missing, unexpected = model.load_state_dict(params, strict=False)
+        assert not unexpected and set(missing) <= {n for n, _ in model.named_buffers()}, (missing, unexpected)
+    return prepare
+
+
 def run_stages():
     """The encoder side at ZeRO 0, 1 and 2 beside the LLM at ZeRO-3, gas 1 and 2, clip on."""
     for enc in (0, 1, 2):
@@ -273,6 +322,13 @@ def run_features():
     check_16bit("fp16", clip=0.0)  # the skip group alone keeps the parts together
     check_16bit("fp16")  # and with the clip's whole-model norm (inf when any part overflows)
     check_resume(2, {"language_model": 3}, 2)
+
+
+def run_construction():
+    """deepspeed_multi.zero_init with declared submodules: only the ZeRO-3 parts partitioned at construction."""
+    check_zero_init(2, {"language_model": 3}, 2)
+    check_zero_init(3, {"vision_tower": 1}, 1)  # the rest (projector + LLM) is the ZeRO-3 part
+    check_from_pretrained_in_zero_init()
 
 
 # ------------------------------------------------------------------------------ Trainer
@@ -322,6 +378,30 @@ def parts_trainer_config(encoder_stage=1, rest_stage=2):
                 "model.language_model": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                                                "stage3_gather_16bit_weights_on_model_save": True}},
                 "model.vision_tower": {"zero_optimization": {"stage": encoder_stage}}}}}
+
+
+def check_from_pretrained_in_zero_init():
+    """LLaVA's from_pretrained inside zero_init with the LLM declared ZeRO-3: the LLM is partitioned and
+    loaded, the vision tower and projector are plain parameters, and every weight is the saved one."""
+    from transformers import LlavaForConditionalGeneration
+
+    import trainer_checks as tc
+    saved = llava()
+    out = tc._shared_tmp()
+    if dist.get_rank() == 0:
+        saved.save_pretrained(out)
+    dist.barrier()
+    config = parts_trainer_config()
+    config.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, gradient_clipping=0.0)
+    with deepspeed_multi.zero_init(config):
+        model = LlavaForConditionalGeneration.from_pretrained(out)
+    for name, p in model.named_parameters():
+        assert hasattr(p, "ds_id") == name.startswith("model.language_model."), name
+    got, want = full_params(model), dict(saved.named_parameters())
+    assert set(got) == set(want), set(got) ^ set(want)
+    diff = {n: (got[n] - want[n].float()).abs().max().item() for n in want}
+    worst = max(diff, key=diff.get)
+    assert diff[worst] == 0, f"from_pretrained in zero_init: {worst} differs from the saved weight by {diff[worst]:.3e}"
 
 
 def run_llava_trainer(trainer_cls, gas, deepspeed=None, out=None, resume=None, **kw):

@@ -14,6 +14,10 @@ BF16_SEEDS = list(range(0, 12)) + [3745, 3995, 7243]
 # reached DeepSpeed at stage 0, which refuses it under unmanaged accumulation.
 KNOB_SEEDS = list(range(0, 8)) + [300002, 300014]
 KNOB_BF16_SEEDS = list(range(0, 4))
+# Models in parts (issue 21): one engine's model holds submodules at other ZeRO stages. 13 (bf16):
+# a model with every part frozen was given an optimizer facade over a ZeRO-3 inference engine.
+PARTS_SEEDS = list(range(0, 10))
+PARTS_BF16_SEEDS = list(range(0, 3)) + [13]
 
 
 def _both():
@@ -21,6 +25,8 @@ def _both():
     fuzz.check_many(BF16_SEEDS, "bf16")
     fuzz.check_many(KNOB_SEEDS, "fp32", knobs=True)
     fuzz.check_many(KNOB_BF16_SEEDS, "bf16", knobs=True)
+    fuzz.check_many(PARTS_SEEDS, "fp32", parts=True)
+    fuzz.check_many(PARTS_BF16_SEEDS, "bf16", parts=True)
 
 
 def test_fuzz_fixed_seeds():
