@@ -35,7 +35,12 @@ towards the updates. Not checked: ZeRO-3 (its parameters
 are partitioned outside module calls, and torch fails first), parameters with tensor hooks of
 their own (they change the sum before the pre-hook sees it), and gradients of reentrant
 checkpointing's nested pass (its recomputed nodes were never walked; such a pass is skipped),
-and sparse gradients.
+sparse gradients, and a backward after a ``create_graph`` backward of the same forward (a
+gradient penalty): there the second-order part can reach a parameter from a node that backward
+made, never walked, though it is scaled like the rest (a custom autograd Function that saves the
+parameter itself, as DeepSpeed's ZeRO-3 ``memory_efficient_linear`` does: it replaces
+``torch.nn.functional.linear`` in the whole process once a ZeRO-3 engine is built, so this
+happened to ZeRO-1/2 engines beside any ZeRO-3 engine). Such a mismatch is not counted.
 
 Reentrant activation checkpointing runs the checkpointed part's backward as a nested backward
 pass. When every parameter of an engine sits inside checkpointed parts, the outer pass crosses
@@ -128,6 +133,7 @@ class MixedUseCheck:
             self._handles.append(node.register_prehook(self._make_before_accumulate(param)))
         self._task, self._sums = None, {}  # the recording graph task, {parameter: what the region sent it}
         self._inconclusive = False  # a gradient of this window was not finite: compared nothing
+        self._double = False  # a create_graph backward ran since the region's last forward
 
     @property
     def active(self) -> bool:
@@ -136,6 +142,7 @@ class MixedUseCheck:
     def watch_region(self, outputs) -> None:
         """A forward of the region ended with ``outputs`` (its output boundary tensors)."""
         acc, stops = self._acc, self._stops
+        self._double = False
         stack = [t.grad_fn for t in tree_tensors(outputs) if t.grad_fn is not None]
         seen = set()
         while stack:
@@ -161,6 +168,8 @@ class MixedUseCheck:
             task = graph.current_task()
             if task != self._task:  # a new backward pass (only one records at a time: see the Note)
                 self._task, self._sums = task, {}
+            if torch.is_grad_enabled():  # create_graph: later passes may carry second-order parts
+                self._double = True
             sums = self._sums
             for k, param in edges:
                 g = grad_inputs[k]
@@ -186,6 +195,9 @@ class MixedUseCheck:
                 return
             factor = self.scale_factor()
             if factor == 1.0:
+                return
+            if self._double:  # not comparable (see the Note): this window does not count
+                self._inconclusive = True
                 return
             raise RuntimeError(
                 f"MultiEngine ({self.engine_name()}): parameter {self.names.get(id(param), '<unnamed>')!r} received "

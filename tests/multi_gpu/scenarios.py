@@ -267,6 +267,29 @@ def _grad_penalty(stage, gas=1):
                     phases=[Phase(loss)])
 
 
+def _grad_penalty_beside_zero3(stage, gas=2):
+    """A gradient-penalty discriminator beside a frozen ZeRO-3 feature model (a GAN with a ZeRO-3
+    teacher). Building the ZeRO-3 engine replaces torch.nn.functional.linear in the whole process
+    with DeepSpeed's memory_efficient_linear Function, which saves the weight itself: the penalty's
+    second-order gradient then reaches D's weights from nodes its backward made (the direct-use
+    check once took them for a direct use; the gradient is right)."""
+
+    def loss(m, b, c):
+        with torch.no_grad():
+            h = m["T"](b["x"])
+        x = h.clone().requires_grad_(True)
+        d = m["D"](x)
+        (gx, ) = torch.autograd.grad(d.sum(), x, create_graph=True)
+        return d.mean() + ((gx.norm(dim=-1) - 1)**2).mean()
+
+    def took_effect(engines):
+        assert torch.nn.functional.linear.__name__ == "zero3_linear_wrap", torch.nn.functional.linear
+
+    return Scenario(members={"T": Member(mlp(5), ds_config(3), trainable=False),
+                             "D": Member(functools.partial(Scalar, seed=1), ds_config(stage, gas=gas))},
+                    phases=[Phase(loss)], took_effect=took_effect)
+
+
 def _hooks(stage):
     def loss(m, b, c):
         h = m["a"](b["x"])
@@ -436,6 +459,8 @@ SCENARIOS["two-backward-retain-chain-z3"] = functools.partial(_retain_chain, 3)
 SCENARIOS["two-backward-retain-chain-z2"] = functools.partial(_retain_chain, 2)
 SCENARIOS["two-backward-z2-gas2"] = functools.partial(_two_backward, 2, gas=2)
 SCENARIOS["grad-penalty-z2-gas2"] = functools.partial(_grad_penalty, 2, gas=2)
+SCENARIOS["grad-penalty-z2-gas2-beside-zero3"] = functools.partial(_grad_penalty_beside_zero3, 2)
+SCENARIOS["grad-penalty-z1-gas2-beside-zero3"] = functools.partial(_grad_penalty_beside_zero3, 1)
 for kind in ("dict", "dataclass", "namedtuple", "list"):
     SCENARIOS[f"outputs-{kind}-z3"] = functools.partial(_structured, kind)
 # Issue 7: graphs real code makes.
