@@ -83,6 +83,13 @@ class MultiOptions:
     watchdog_timeout_s: a rank that spends longer than this in one of the engine's collective
         regions (ZeRO-3 forward, ZeRO-2/3 backward, step) fails every rank with an error naming
         the engine (see watchdog.py); 0 turns the watchdog off.
+    agree_before_collectives: before the collectives of a ZeRO-2/3 backward and of an update, the
+        ranks of the engine's data-parallel group meet at the rendezvous store (not the process
+        group), so a rank that skipped the engine waits there, where the watchdog names the
+        engine, instead of entering another engine's collective (gloo aborts on mismatched sizes
+        before the watchdog can act; see [Note: ranks meet before an engine's collectives] in
+        watchdog.py). None (the default): on with gloo, off with NCCL (a mismatch there hangs,
+        and the watchdog names it). Needs the watchdog on.
     direct_use_check_updates: during the engine's first N updates, a backward pass in which a
         parameter receives gradient both from inside the engine's region and from a direct use
         outside it raises (see _outside_use.MixedUseCheck); -1 checks always, 0 never.
@@ -96,6 +103,7 @@ class MultiOptions:
     watchdog_timeout_s: float = 300.0
     allow_mixed_dp_groups: bool = False
     direct_use_check_updates: int = 1
+    agree_before_collectives: Optional[bool] = None
 
     @classmethod
     def from_config(cls, config: dict) -> "MultiOptions":
@@ -115,6 +123,9 @@ class MultiOptions:
             raise ValueError(f"deepspeed_multi: direct_use_check_updates must be an integer >= -1 (the number of "
                              f"updates during which direct parameter uses are checked; -1 always, 0 never); got "
                              f"{updates!r}.")
+        if options.agree_before_collectives not in (None, True, False):
+            raise ValueError(f"deepspeed_multi: agree_before_collectives must be true, false or null (on with gloo, "
+                             f"off with NCCL); got {options.agree_before_collectives!r}.")
         if not isinstance(options.allow_mixed_dp_groups, bool):
             raise ValueError(f"deepspeed_multi: allow_mixed_dp_groups must be true or false; got "
                              f"{options.allow_mixed_dp_groups!r}.")

@@ -33,6 +33,26 @@ exception", SIGABRT) in a job that had finished cleanly. An ``atexit`` hook (ate
 before finalization) therefore stops the thread and joins it: it never calls the store again.
 The budget covers the whole region, compute included: a forward, backward or update that
 legitimately takes longer than ``watchdog_timeout_s`` must get a larger value.
+
+[Note: ranks meet before an engine's collectives]
+The watchdog sees a rank waiting in a collective only if the collective waits. gloo checks the
+sizes of what it receives: when one rank skipped engine A and entered engine B's reduction
+while another entered A's, the sizes differ and gloo aborts the process (SIGABRT, "Received
+data size doesn't match expected size", uncatchable) seconds in, naming nothing. So, where the
+option ``agree_before_collectives`` is on (the default with gloo), the ranks of an engine's
+data-parallel group first meet at the rendezvous store, a TCP key-value server apart from the
+process group: before the collectives of a ZeRO-3 forward and a ZeRO-2/3 backward (ZeRO-3
+gathers, ZeRO-2 reduces in every one) and of a ZeRO-2/3 update. (A ZeRO-0/1 update needs no
+meeting: its rank agreement, one all-reduce that every engine's update starts with, carries the
+engine's serial number, so two ranks in different engines' updates both raise; rank_agreement.py.
+A meeting there would be one more synchronization point per update: 2% of a step, measured.) Each rank adds 1 to
+the engine's counter for that region and polls it until every rank of the group has added its
+n-th 1. A rank whose partner went elsewhere waits there, inside the marked region, so the
+watchdog ends every rank naming the engine and the backward counts. Polling, not the store's
+blocking ``wait``: the watchdog thread shares the store client and must still reach it. Cost:
+two or three store round trips per engine and region; measured in benchmarks/PERFORMANCE.md.
+A region where the engine has no collective (a ZeRO-0/1 backward, a frozen ZeRO-0/1/2 engine, a
+step inside the accumulation window) does not meet: ranks may legitimately differ there.
 """
 import atexit
 import functools
@@ -76,18 +96,23 @@ class _Off:
     def backward_reached(self):
         pass
 
+    def meet(self, what):
+        pass
+
 
 class EngineWatch:
     """The regions one engine is in on this rank, as ``what -> time.monotonic() at entry``."""
     enabled = True
 
-    def __init__(self, engine, timeout_s, index):
+    def __init__(self, engine, timeout_s, index, monitor=None, agree=False):
         self.engine = weakref.ref(engine)
         self.name = type(engine.module).__name__
         self.stage = engine.zero_optimization_stage()
         self.timeout_s = float(timeout_s)
         self.index = index  # engines are built in the same order on every rank
         self.marks = {}
+        self.monitor, self.agree = monitor, agree
+        self.met = {}  # region -> how many times this rank met the others there
 
     def enter(self, what):
         self.marks[what] = time.monotonic()
@@ -105,7 +130,24 @@ class EngineWatch:
             return
         self.marks["backward"] = time.monotonic()
         graph.at_end_of_backward(self._end_of_graph_task)
+        if self.stage >= 2:
+            engine = self.engine()
+            if engine is not None and (engine.trains or self.stage == 3):
+                self.meet("backward")
 
+    def meet(self, what):
+        """Wait at the store until every rank of the engine's group reached ``what`` as often as this
+        one (see [Note: ranks meet before an engine's collectives])."""
+        if not self.agree:
+            return
+        engine = self.engine()
+        if what == "step" and (self.stage < 2 or engine is None or not engine.trains or not engine.is_update_boundary()):
+            return  # ZeRO-0/1: the rank agreement at step() compares the engines, off the critical path
+        ranks = getattr(engine, "_dsm_dp_ranks", None) or tuple(range(self.monitor.world))
+        if len(ranks) < 2:
+            return
+        n = self.met[what] = self.met.get(what, 0) + 1
+        self.monitor.meet(f"meet/{self.index}/{what}/{ranks[0]}", len(ranks) * n)
     def _end_of_graph_task(self):
         engine = self.engine()
         if engine is None or engine._state.name != "IN_BACKWARD":
@@ -116,7 +158,7 @@ class EngineWatch:
         now = time.monotonic()
         return {"index": self.index, "name": self.name, "stage": self.stage,
                 "backwards": getattr(engine, "_window_backwards", None),
-                "micro_steps": getattr(engine, "_window_micro_steps", None),
+                "micro_steps": getattr(engine, "_window_micro_steps", None), "met": dict(self.met),
                 "in": {what: round(now - t0, 1) for what, t0 in list(self.marks.items())}}
 
 
@@ -130,6 +172,7 @@ def watched(what):
             watch = engine.watchdog
             watch.enter(what)
             try:
+                watch.meet(what)
                 return fn(engine, *args, **kwargs)
             finally:
                 watch.leave(what)
@@ -145,7 +188,10 @@ def attach(engine):
     timeout = engine.options.watchdog_timeout_s
     if not timeout or not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2:
         return _Off()
-    watch = _Monitor.get().add(engine, timeout)
+    agree = engine.options.agree_before_collectives
+    if agree is None:
+        agree = torch.distributed.get_backend() == "gloo"
+    watch = _Monitor.get().add(engine, timeout, agree)
     _install_forward_hooks(engine, watch)
     return watch
 
@@ -160,6 +206,7 @@ def _install_forward_hooks(engine, watch):
             watch.leave("backward")
         if zero3:
             watch.enter("forward")
+            watch.meet("forward")
 
     engine.module.register_forward_pre_hook(pre, prepend=True)
     if zero3:
@@ -208,8 +255,8 @@ class _Monitor(threading.Thread):
         self.store_ok = True
         self._stopping = threading.Event()
 
-    def add(self, engine, timeout_s):
-        watch = EngineWatch(engine, timeout_s, len(self.watches))
+    def add(self, engine, timeout_s, agree=False):
+        watch = EngineWatch(engine, timeout_s, len(self.watches), self, agree)
         self.watches.append(watch)
         self.poll_s = min(self.poll_s, max(0.1, timeout_s / 5))
         return watch
@@ -269,6 +316,15 @@ class _Monitor(threading.Thread):
 
     def _store_add(self, key, n):
         return self._get_store().add(_PREFIX + key, n)
+
+    def meet(self, key, target):
+        """Count this rank in at ``key`` and poll until the count reaches ``target`` (no deadline: the
+        caller is inside a marked region, which the loop above ends when it goes stale)."""
+        got, delay = self._store_add(key, 1), 1e-4
+        while got < target:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+            got = self._store_add(key, 0)
 
     def _wait_count(self, key, target, grace_s):
         deadline = time.monotonic() + grace_s
@@ -337,8 +393,13 @@ def format_message(failures, reports, world, rank):
             engines = {e["index"]: e for e in reports.get(r, {}).get("engines", [])}
             e = engines.get(index)
             counts.append(f"rank {r}: {e['backwards']}" if e is not None else f"rank {r}: no report")
-        name = failures[0]["name"]
+        name, what = failures[0]["name"], failures[0]["what"]
         lines.append(f"  backward passes through {name} since its last update, by rank: " + ", ".join(counts))
+        met = [(r, e.get("met", {}).get(what)) for r in range(world)
+               for e in reports.get(r, {}).get("engines", []) if e["index"] == index]
+        if any(n is not None for _, n in met):
+            lines.append(f"  times each rank reached {name}'s {what} collectives (the ranks meet at the store "
+                         "before them): " + ", ".join(f"rank {r}: {n or 0}" for r, n in met))
     for r in range(world):
         rep = reports.get(r)
         if rep is None:

@@ -34,3 +34,38 @@ def test_one_rank_skips_engine(stage, skip):
         assert "backward passes through Critic since its last update, by rank: rank 0: " in x["log"], logs
         assert "Fix: " in x["log"] and "watchdog_timeout_s" in x["log"], logs
         assert took >= TIMEOUT_S, f"rank {r} exited {took:.1f} s after the divergence, before the timeout:\n{logs}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_rank_skips_into_another_engines_collective(stage):
+    """Rank 1 skips Critic's update and enters Actor's, whose collectives differ in size: every rank
+    exits within the timeout, rank 0 naming Critic and rank 1 naming Actor, before gloo's size check
+    can abort a process (issue 24's third reproduction: SIGABRT at ZeRO-1/2, naming nothing)."""
+    region = {2: "backward", 3: "forward"}.get(stage)
+    ranks = run_ranks_to_exit(checks.one_rank_skips_into_another_engine, stage, TIMEOUT_S, world_size=2,
+                              timeout_s=150)
+    logs = "\n".join(f"----- rank {r} (exit {x['exitcode']}) -----\n{x['log'][-3000:]}" for r, x in enumerate(ranks))
+    diverged = [float(t) for x in ranks for t in re.findall(r"^DIVERGE ([0-9.]+)$", x["log"], re.M)]
+    assert len(diverged) == 2, f"both ranks must reach the divergence:\n{logs}"
+    assert "Received data size" not in logs, f"gloo aborted on mismatched sizes:\n{logs}"
+    start = min(diverged)
+    for r, (x, name) in enumerate(zip(ranks, ("Critic", "Actor"))):
+        assert x["exitcode"] not in (None, 0), f"rank {r} exit code {x['exitcode']} (None: still running):\n{logs}"
+        took = x["exited_at"] - start
+        print(f"stage {stage} rank {r}: exit {x['exitcode']} {took:.1f} s after the divergence")
+        assert took <= TIMEOUT_S + SLACK_S, f"rank {r} took {took:.1f} s to exit:\n{logs}"
+        if stage < 2:  # the update's rank agreement compares the engines: both ranks raise at once
+            other = "Actor" if name == "Critic" else "Critic"
+            assert re.search(r"MultiEngine \(%s, engine #\d+\): the ranks are not in the same engine's update: .*"
+                             r"another in engine #\d+'s \(%s\)" % (name, other), x["log"]), logs
+            continue
+        # The first failure published names the engine it is about (rank 0's Critic or rank 1's Actor,
+        # whichever timed out first); every rank's line says where each rank waits, and the meeting counts.
+        msg = re.search(r"^deepspeed_multi watchdog \(rank %d\): MultiEngine \((Critic|Actor), ZeRO stage %d\) spent "
+                        r"[0-9.]+ s in its %s" % (r, stage, re.escape(region)), x["log"], re.M)
+        assert msg, f"rank {r}: no watchdog message naming Critic's or Actor's {region}:\n{logs}"
+        mark = region.rstrip("()")
+        assert re.search(r"^  rank 0 \(.*\): in Critic %s for" % mark, x["log"], re.M), logs
+        assert re.search(r"^  rank 1 \(.*\): in Actor %s for" % mark, x["log"], re.M), logs
+        counts = "rank 0: 3, rank 1: 2" if msg.group(1) == "Critic" else "rank 0: 2, rank 1: 3"
+        assert re.search(r"reached %s's %s collectives .*: %s$" % (msg.group(1), mark, counts), x["log"], re.M), logs

@@ -16,9 +16,9 @@ class Critic(MLP):
     pass
 
 
-def _engine(cls, stage, timeout_s, seed):
-    model = cls(seed=seed)
-    cfg = ds_config(stage, deepspeed_multi={"watchdog_timeout_s": timeout_s})
+def _engine(cls, stage, timeout_s, seed, agree=None, **model_kw):
+    model = cls(seed=seed, **model_kw)
+    cfg = ds_config(stage, deepspeed_multi={"watchdog_timeout_s": timeout_s, "agree_before_collectives": agree})
     return deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=cfg)[0]
 
@@ -66,6 +66,28 @@ def one_rank_skips_critic(stage, timeout_s, failed_backward_first, skip="update"
         if skip == "update":
             ((critic(x) - y)**2).mean().backward()
         critic.step()
+    time.sleep(10 * timeout_s + 60)  # rank-local work, no collective
+    raise AssertionError("the watchdog should have ended this rank")
+
+
+def one_rank_skips_into_another_engine(stage, timeout_s, agree=None):
+    """Rank 0 runs a Critic-only update then an Actor-only one; rank 1 skips the Critic's and runs
+    the Actor's. Their collectives pair Critic's with Actor's, whose sizes differ (Critic is
+    wider): gloo aborts the process on the size mismatch unless the ranks meet at the store first
+    (agree_before_collectives), where the watchdog names each rank's engine."""
+    actor = _engine(Actor, stage, timeout_s, 1, agree)
+    critic = _engine(Critic, stage, timeout_s, 2, agree, d_hidden=40)
+    for step in range(2):
+        x, y = _batch(step)
+        ((critic(actor(x)) - y)**2).mean().backward()
+        actor.step()
+        critic.step()
+    print(f"DIVERGE {time.time()}", flush=True)
+    if dist.get_rank() == 0:
+        ((critic(x) - y)**2).mean().backward()
+        critic.step()
+    ((actor(x) - y)**2).mean().backward()
+    actor.step()
     time.sleep(10 * timeout_s + 60)  # rank-local work, no collective
     raise AssertionError("the watchdog should have ended this rank")
 
