@@ -66,6 +66,9 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
     Call on every rank, like ``engine.save_checkpoint``. ``tag`` defaults to
     ``global_step<N>`` (N: the largest global_steps among the engines); an existing tag is refused.
     """
+    engines, parted = _expand_parted(engines, "save_checkpoint")
+    if parted:
+        client_state = {_PARTED: {name: e._client_states() for name, e in parted.items()}, "client_state": client_state}
     _check_engine_set(engines, "save_checkpoint")
     _raise_if_any(_pending_gradients(engines))  # decided together: a rank that refused alone would hang the others
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -180,6 +183,7 @@ def load_checkpoint(load_dir, engines, tag=None):
     warning. Restores each engine's DeepSpeed state, its accumulation-window position and every
     rank's RNG states; checks every file's sha256 first.
     """
+    engines, parted = _expand_parted(engines, "load_checkpoint")
     _check_engine_set(engines, "load_checkpoint")
     rank, world = dist.get_rank(), dist.get_world_size()
     chosen = [None, None]
@@ -224,6 +228,10 @@ def load_checkpoint(load_dir, engines, tag=None):
                                f"{engine._get_optimizer_loss_scale()} after loading, {record['loss_scale']} saved.")
     _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=False))
     client_state = torch.load(os.path.join(path, "client_state.pt"), weights_only=False)
+    if parted:
+        for name, e in parted.items():
+            e._load_client_states(client_state[_PARTED][name])
+        client_state = client_state["client_state"]
     dist.barrier()
     logger.info("deepspeed_multi: loaded checkpoint %s (serial %d)", path, manifest["serial"])
     return client_state
@@ -303,6 +311,29 @@ def remove_incomplete(directory):
 
 
 # ---------------------------------------------------------------------------------- helpers
+_PARTED = "deepspeed_multi.parted"  # client_state key: the client optimizer and scheduler of each model in parts
+
+
+def _expand_parted(engines, what):
+    """A model in parts (PartedEngine) in the set is saved as its parts, ``<name>.<part>``, and its
+    client optimizer and scheduler states in the client state; returns (engines, {name: PartedEngine})."""
+    from .parts import PartedEngine
+    if not isinstance(engines, dict) or not any(isinstance(e, PartedEngine) for e in engines.values()):
+        return engines, {}
+    flat, parted = {}, {}
+    for name, e in engines.items():
+        if isinstance(e, PartedEngine):
+            _check_name(name, f"engine name {name!r}")
+            parted[name] = e
+            flat.update({f"{name}.{part}": pe for part, pe in e.parts.items()})
+        else:
+            flat[name] = e
+    if len(flat) != sum(len(e.parts) if name in parted else 1 for name, e in engines.items()):
+        raise ValueError(f"deepspeed_multi.{what}: the names of the engines and of the models' parts "
+                         f"(<name>.<part>) collide: {sorted(engines)}; rename an engine.")
+    return flat, parted
+
+
 def _check_engine_set(engines, what):
     from .engine import MultiEngine
     if not isinstance(engines, dict) or not engines:

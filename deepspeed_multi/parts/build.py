@@ -4,7 +4,7 @@ import copy
 import torch
 
 from ..config import enabled
-from . import clip, optimizer as parts_optimizer
+from . import clip, construct, optimizer as parts_optimizer
 from .engine import PartedEngine, PartsOptimizer
 from .plan import REST, Plan
 
@@ -25,6 +25,11 @@ def initialize_parts(initialize, model, config, declared, optimizer=None, model_
     given = copy.deepcopy(config)
     given.setdefault("deepspeed_multi", {})["submodules"] = copy.deepcopy(declared)
     plan = Plan(model, config, declared)
+    replaced = construct.gather_non_zero3(model, plan)  # built partitioned as a whole (parts/construct.py)
+    if replaced:
+        plan = Plan(model, config, declared)  # the rest holds references to the replaced parameters
+        for group in optimizer.param_groups if optimizer is not None else ():
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
     if any(enabled(cfg.get("fp16")) for cfg in plan.configs.values()):
         for cfg in plan.configs.values():  # an overflow anywhere skips the whole model's update
             cfg.setdefault("deepspeed_multi", {}).setdefault("skip_group", f"deepspeed_multi.parts.{id(model):x}")

@@ -94,19 +94,26 @@ def _gather_non_zero3_parts(built, config, declared):
                              f"submodule {missing[0]!r} of the declared {sorted(declared)}; its parameters would stay "
                              "partitioned at the ZeRO-3 parts' config whichever part they join. Build only the model "
                              "(with everything it holds) inside the block, and other modules outside it.")
-        plan = Plan(root, config, declared)
-        dtypes = {name: _dtype(cfg) for name, cfg in plan.configs.items()}
-        owner = plan.owner_of()
-        plain = {}  # id(partitioned parameter) -> its plain replacement (ties inside a part stay tied)
-        for module in root.modules():
-            for pname, p in list(module._parameters.items()):
-                if p is None or not hasattr(p, "ds_id") or zero_stage(plan.configs[owner[id(p)]]) == 3:
-                    continue
-                if id(p) not in plain:
-                    with deepspeed.zero.GatheredParameters([p]):
-                        data = p.data.detach().clone().to(dtypes[owner[id(p)]])
-                    plain[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
-                module._parameters[pname] = plain[id(p)]
+        gather_non_zero3(root, Plan(root, config, declared))
+
+
+def gather_non_zero3(model, plan) -> dict:
+    """Make the partitioned parameters of ``model``'s parts that are not ZeRO-3 plain parameters again,
+    in their part's dtype; return {id(old parameter): new parameter}. Also for a model Transformers built under ZeRO-3 as a
+    whole (``TrainingArguments(deepspeed=...)`` with a top-level stage 3): initialize calls this."""
+    dtypes = {name: _dtype(cfg) for name, cfg in plan.configs.items()}
+    owner = plan.owner_of()
+    plain = {}  # id(partitioned parameter) -> its plain replacement (ties inside a part stay tied)
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None or not hasattr(p, "ds_id") or zero_stage(plan.configs[owner[id(p)]]) == 3:
+                continue
+            if id(p) not in plain:
+                with deepspeed.zero.GatheredParameters([p]):
+                    data = p.data.detach().clone().to(dtypes[owner[id(p)]])
+                plain[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+            module._parameters[pname] = plain[id(p)]
+    return plain
 
 
 def _has_submodule(root, name) -> bool:

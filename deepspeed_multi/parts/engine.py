@@ -182,11 +182,19 @@ class PartedEngine(nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, exclude_frozen_parameters=False):
         """Every part in one atomic checkpoint (deepspeed_multi.save_checkpoint), with the client
         optimizer's hyperparameters and the scheduler's state."""
-        state = {"client_state": client_state,
-                 "optimizer": self._client.state_dict() if self._client is not None else None,
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
+        state = {"client_state": client_state, **self._client_states()}
         checkpoint.save_checkpoint(save_dir, self._parts, client_state=state, tag=tag)
         return True
+
+    def _client_states(self) -> dict:
+        return {"optimizer": self._client.state_dict() if self._client is not None else None,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
+
+    def _load_client_states(self, state) -> None:
+        if self._client is not None and state.get("optimizer") is not None:
+            self._client.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True):
@@ -197,10 +205,7 @@ class PartedEngine(nn.Module):
             raise ValueError("deepspeed_multi: a model in parts resumes whole (optimizer and scheduler states "
                              "included); load_optimizer_states / load_lr_scheduler_states=False is not supported.")
         state = checkpoint.load_checkpoint(load_dir, self._parts, tag=tag)
-        if self._client is not None and state.get("optimizer") is not None:
-            self._client.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._load_client_states(state)
         return load_dir, state.get("client_state")
 
 

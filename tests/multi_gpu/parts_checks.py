@@ -140,16 +140,23 @@ def check_exact(top_stage, submodules, gas, clip=0.5, windows=3, lr=1e-2, prepar
     return err
 
 
-def check_resume(top_stage, submodules, gas, clip=0.5, windows=4, lr=1e-2):
-    """Save after two windows, resume in freshly built engines: the same weights as an uninterrupted run."""
+def check_resume(top_stage, submodules, gas, clip=0.5, windows=4, lr=1e-2, via_set=False):
+    """Save after two windows, resume in freshly built engines: the same weights as an uninterrupted run.
+    ``via_set``: through deepspeed_multi.save_checkpoint / load_checkpoint of a set holding the model."""
     rank = dist.get_rank()
     engine, _, _ = build(top_stage, submodules, gas, clip, lr)
     train(engine, 2, gas)
     root = [tempfile.mkdtemp(prefix="dsm_parts_") if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
-    engine.save_checkpoint(root[0], client_state={"windows": 2})
+    if via_set:
+        deepspeed_multi.save_checkpoint(root[0], {"mm": engine}, client_state={"windows": 2})
+    else:
+        engine.save_checkpoint(root[0], client_state={"windows": 2})
     resumed, _, _ = build(top_stage, submodules, gas, clip, lr)
-    _, client_state = resumed.load_checkpoint(root[0])
+    if via_set:
+        client_state = deepspeed_multi.load_checkpoint(root[0], {"mm": resumed})
+    else:
+        _, client_state = resumed.load_checkpoint(root[0])
     assert client_state == {"windows": 2}, client_state
     train(resumed, windows, gas, start=2 * gas)
     ref, _ = reference(windows, gas, clip, lr, dist.get_world_size())
@@ -285,6 +292,33 @@ def check_zero_init(top_stage, submodules, gas, clip=0.5, windows=2, lr=1e-2):
     assert errs[worst] <= FP32_TOL, f"{what}: max abs error {errs[worst]:.3e} at {worst}"
 
 
+def check_built_whole_at_zero3(windows=2, gas=2, clip=0.5, lr=1e-2):
+    """The model built partitioned as a whole (Transformers under TrainingArguments with a top-level
+    stage 3: zero.Init with that config), the optimizer built before initialize (as Trainer does), the
+    vision tower declared ZeRO-1: initialize makes its parameters plain again, and training is exact."""
+    import deepspeed
+
+    from deepspeed_multi.integrations.hf_config import hf_deepspeed_config
+    config = case_config(3, {"vision_tower": 1}, gas, clip)
+    whole = {k: v for k, v in config.items() if k != "deepspeed_multi"}
+    with hf_deepspeed_config(whole), deepspeed.zero.Init(config_dict_or_path=whole):
+        model = MM()
+    _freeze_key_biases(model)
+    assert all(hasattr(p, "ds_id") for p in model.parameters())
+    initial = full_params(model)
+    opt = torch.optim.AdamW(groups(model), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    engine, _, _, _ = deepspeed_multi.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
+    for name, p in engine.module.named_parameters():
+        assert hasattr(p, "ds_id") == (not name.startswith("vision_tower.")), name
+    train(engine, windows, gas)
+    ref, _ = reference(windows, gas, clip, lr, dist.get_world_size(), prepare=_loads(initial))
+    got = full_params(engine.module)
+    errs = {n: (got[n] - p.detach().float()).abs().max().item() for n, p in ref.named_parameters()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= FP32_TOL, f"built whole at ZeRO-3: max abs error {errs[worst]:.3e} at {worst}"
+
+
 def _freeze_key_biases(model):
     """A key bias shifts every score of a query equally, which softmax ignores: its true gradient is 0 and
     what arrives is rounding noise, which Adam turns into steps of +-lr that no two summation orders share
@@ -322,6 +356,7 @@ def run_features():
     check_16bit("fp16", clip=0.0)  # the skip group alone keeps the parts together
     check_16bit("fp16")  # and with the clip's whole-model norm (inf when any part overflows)
     check_resume(2, {"language_model": 3}, 2)
+    check_resume(1, {"vision_tower": 2, "language_model": 3}, 2, via_set=True)
 
 
 def run_construction():
@@ -329,6 +364,7 @@ def run_construction():
     check_zero_init(2, {"language_model": 3}, 2)
     check_zero_init(3, {"vision_tower": 1}, 1)  # the rest (projector + LLM) is the ZeRO-3 part
     check_from_pretrained_in_zero_init()
+    check_built_whole_at_zero3()
 
 
 # ------------------------------------------------------------------------------ Trainer
