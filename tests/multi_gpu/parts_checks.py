@@ -281,15 +281,7 @@ def check_zero_init(top_stage, submodules, gas, clip=0.5, windows=2, lr=1e-2):
         other = t.clone()
         dist.broadcast(other, src=0)
         assert torch.equal(other, t), what
-    opt = torch.optim.AdamW(groups(model), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    engine, _, _, _ = deepspeed_multi.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
-    train(engine, windows, gas)
-    ref, _ = reference(windows, gas, clip, lr, dist.get_world_size(), prepare=_loads(initial))
-    got = full_params(engine.module)
-    errs = {n: (got[n] - p.detach().float()).abs().max().item() for n, p in ref.named_parameters()}
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= FP32_TOL, f"{what}: max abs error {errs[worst]:.3e} at {worst}"
+    _train_from_built(model, initial, config, windows, gas, clip, lr, what)
 
 
 def check_built_whole_at_zero3(windows=2, gas=2, clip=0.5, lr=1e-2):
@@ -306,17 +298,24 @@ def check_built_whole_at_zero3(windows=2, gas=2, clip=0.5, lr=1e-2):
     _freeze_key_biases(model)
     assert all(hasattr(p, "ds_id") for p in model.parameters())
     initial = full_params(model)
+    engine = _train_from_built(model, initial, config, windows, gas, clip, lr, "built whole at ZeRO-3")
+    for name, p in engine.module.named_parameters():
+        assert hasattr(p, "ds_id") == (not name.startswith("vision_tower.")), name
+
+
+def _train_from_built(model, initial, config, windows, gas, clip, lr, what):
+    """Train ``model`` (weights ``initial``) as parts, the optimizer built before initialize as Trainer
+    does; every weight equals plain PyTorch's from the same weights (1e-5). Returns the engine."""
     opt = torch.optim.AdamW(groups(model), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     engine, _, _, _ = deepspeed_multi.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
-    for name, p in engine.module.named_parameters():
-        assert hasattr(p, "ds_id") == (not name.startswith("vision_tower.")), name
     train(engine, windows, gas)
     ref, _ = reference(windows, gas, clip, lr, dist.get_world_size(), prepare=_loads(initial))
     got = full_params(engine.module)
     errs = {n: (got[n] - p.detach().float()).abs().max().item() for n, p in ref.named_parameters()}
     worst = max(errs, key=errs.get)
-    assert errs[worst] <= FP32_TOL, f"built whole at ZeRO-3: max abs error {errs[worst]:.3e} at {worst}"
+    assert errs[worst] <= FP32_TOL, f"{what}: max abs error {errs[worst]:.3e} at {worst}"
+    return engine
 
 
 def _freeze_key_biases(model):

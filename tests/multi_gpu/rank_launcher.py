@@ -48,18 +48,8 @@ def _rank_main(rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, ran
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     faulthandler.dump_traceback_later(max(timeout_s - 10, 5), exit=False, file=log)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      DS_ACCELERATOR="cuda" if gpu else "cpu")
     try:
-        torch.set_num_threads(1)
-        import deepspeed
-        import deepspeed.comm as dist
-        if gpu:
-            torch.cuda.set_device(rank)
-        if rank_setup is not None:
-            rank_setup(gpu)
-        deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+        dist = _join_process_group(rank, world_size, port, gpu, rank_setup)
         out = fn(*args, **kwargs)
         dist.barrier()
         results.put((rank, out, None))
@@ -68,6 +58,22 @@ def _rank_main(rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, ran
         results.put((rank, None, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _join_process_group(rank, world_size, port, gpu, rank_setup):
+    """This process becomes ``rank``: its environment, one thread, its GPU, the process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      DS_ACCELERATOR="cuda" if gpu else "cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.comm as dist
+    if gpu:
+        torch.cuda.set_device(rank)
+    if rank_setup is not None:
+        rank_setup(gpu)
+    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+    return dist
 
 
 def _destroy_process_groups():
@@ -285,17 +291,7 @@ def _pool_rank_main(rank, world_size, port, gpu, log_dir, rank_setup, tasks, res
     log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      DS_ACCELERATOR="cuda" if gpu else "cpu")
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.comm as dist
-    if gpu:
-        torch.cuda.set_device(rank)
-    if rank_setup is not None:
-        rank_setup(gpu)
-    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+    dist = _join_process_group(rank, world_size, port, gpu, rank_setup)
     while True:
         item = tasks.get()
         if item is None:
