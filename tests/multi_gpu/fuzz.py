@@ -25,7 +25,8 @@ What a program draws
   ``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, ZeRO-3's persistence
   threshold, ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``,
   ``gradient_predivide_factor`` and ``prescale_gradients`` where DeepSpeed accepts them;
-- with parts (every third batch of a long run, ``PARTS=1`` in a replay; their own stream too):
+- with parts (every sixth batch of a long run: every third without knobs; ``PARTS=1`` in a replay;
+  their own stream too):
   engines whose model declares ``body`` and/or ``head`` as submodules with ZeRO stages of their
   own (``deepspeed_multi.submodules``), the rest of the model at the engine's stage; at least one
   part's stage differs from its engine's. Not with knobs (a knob drawn for one stage may be
@@ -444,7 +445,7 @@ def main(argv=None):
     parser.add_argument("--knobs-every", type=int, default=2, help="every Nth batch draws DeepSpeed knobs too")
     parser.add_argument("--parts", action="store_true", help="with --seed: the program with parts drawn")
     parser.add_argument("--parts-every", type=int, default=3,
-                        help="every Nth batch without knobs draws models in parts")
+                        help="every Nth batch draws models in parts, where it draws no knobs")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from harness import run_distributed
