@@ -3,6 +3,7 @@ import copy
 
 import torch
 
+from ..autograd.tree import tree_tensors
 from ..config import enabled
 from . import clip, construct, optimizer as parts_optimizer
 from .engine import PartedEngine, PartsOptimizer
@@ -50,6 +51,7 @@ def initialize_parts(initialize, model, config, declared, optimizer=None, model_
         clip.check_supported(name, engine)
         engines[name] = engine
     _reset_rest_trace_at_model_forward(model, engines.get(REST))
+    _drain_zero3_parts_after_model_forward(model, engines)
     scheduler = lr_scheduler
     parted = PartedEngine(model, engines, optimizer, sources, config=given)
     # Nothing to optimize (every part frozen, no optimizer given): no optimizer, as DeepSpeed returns.
@@ -75,3 +77,20 @@ def _reset_rest_trace_at_model_forward(model, rest):
         coordinator.reset_step()
 
     model.register_forward_pre_hook(_start_of_model_forward)
+
+
+def _drain_zero3_parts_after_model_forward(model, engines):
+    """MultiEngine.forward drains ZeRO-3 prefetches no backward will consume (a frozen engine, or
+    outputs that need no gradient: see its _drain_zero3_prefetch); the parts' forwards are the
+    model's, so the end of the model's forward does it for them."""
+    zero3 = [e for e in engines.values() if e.zero_optimization_stage() == 3]
+    if not zero3:
+        return
+
+    def _end_of_model_forward(module, args, outputs):
+        needs_grad = any(t.requires_grad for t in tree_tensors(outputs))
+        for engine in zero3:
+            if not engine.trains or not needs_grad:
+                engine._drain_zero3_prefetch()
+
+    model.register_forward_hook(_end_of_model_forward)

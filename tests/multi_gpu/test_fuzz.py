@@ -16,7 +16,9 @@ KNOB_SEEDS = list(range(0, 8)) + [300002, 300014]
 KNOB_BF16_SEEDS = list(range(0, 4))
 # Models in parts (issue 21): one engine's model holds submodules at other ZeRO stages. 13 (bf16):
 # a model with every part frozen was given an optimizer facade over a ZeRO-3 inference engine.
-PARTS_SEEDS = list(range(0, 10))
+# 601218: a frozen model in two ZeRO-3 parts left a prefetch in flight after its forward (the
+# drain MultiEngine.forward does ran for no part), and GatheredParameters refused to partition it.
+PARTS_SEEDS = list(range(0, 10)) + [601218]
 PARTS_BF16_SEEDS = list(range(0, 3)) + [13]
 
 
