@@ -168,6 +168,9 @@ def _class(owner: str):
     if owner == "Init":
         from deepspeed.runtime.zero.partition_parameters import Init
         return Init
+    if owner == "BF16_Optimizer":
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        return BF16_Optimizer
     if owner == "DeepSpeedZeRoOffload":
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
         return DeepSpeedZeRoOffload
@@ -253,6 +256,18 @@ NONCONTIGUOUS_ZERO2_FROM = (0, 19, 8)
 
 def noncontiguous_zero2_ok(version: Optional[str] = None) -> bool:
     return _version_tuple(version or installed_version())[:3] >= NONCONTIGUOUS_ZERO2_FROM
+
+
+def combine_grad_norm_groups(norm_groups):
+    """ZeRO-3's norm from its group norms, combined as the installed release's stage 3 does:
+    ``deepspeed.runtime.utils.combine_grad_norm_groups`` where it exists (0.19.8: an invalid -1
+    group stays invalid), else the plain 2-norm of the stacked group norms (0.19.4)."""
+    from deepspeed.runtime import utils
+    combine = getattr(utils, "combine_grad_norm_groups", None)
+    if combine is not None:
+        return combine(norm_groups)
+    import torch
+    return torch.linalg.vector_norm(torch.stack(list(norm_groups)))
 
 
 def apply_fixes(version: Optional[str] = None) -> List[str]:

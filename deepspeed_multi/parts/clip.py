@@ -32,12 +32,6 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from .. import compat
 
-try:  # ZeRO-3 combines its group norms with this where it exists (an invalid -1 group stays invalid)
-    from deepspeed.runtime.utils import combine_grad_norm_groups
-except ImportError:  # older releases: as their stage 3 combines them
-    def combine_grad_norm_groups(norm_groups):
-        return torch.linalg.vector_norm(torch.stack(list(norm_groups)))
-
 
 def check_supported(name, engine) -> None:
     """Refuse a part whose optimizer this module cannot clip on the whole model's norm."""
@@ -76,7 +70,7 @@ def _own_norm(engine, kind):
     """(the part's gradient norm as DeepSpeed computes it, its loss scale)."""
     opt = engine.optimizer
     if kind == "zero3":
-        return combine_grad_norm_groups(opt._get_norm_groups()), float(opt.loss_scale)
+        return compat.combine_grad_norm_groups(opt._get_norm_groups()), float(opt.loss_scale)
     if kind == "zero12":
         return opt.scaled_global_norm(), float(opt.loss_scale)
     if kind == "bf16":
