@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..config import enabled, zero_stage
-from .plan import Plan
+from .plan import REST, Plan, declared_configs
 
 
 class _RecordingInit(deepspeed.zero.Init):
@@ -55,8 +55,8 @@ def _dtype(config) -> torch.dtype:
 def zero_init_parts(config: dict, declared: dict, **init_kwargs):
     """``deepspeed_multi.zero_init`` for a config that declares submodules (see the module Note)."""
     from ..integrations.hf_config import hf_deepspeed_config
-    probe = _probe_plan_configs(config, declared)
-    zero3 = {name: cfg for name, cfg in probe.items() if zero_stage(cfg) == 3}
+    configs = {**declared_configs(config, declared), REST: config}  # before the model exists
+    zero3 = {name: cfg for name, cfg in configs.items() if zero_stage(cfg) == 3}
     if not zero3:
         with hf_deepspeed_config(None):
             yield
@@ -71,14 +71,6 @@ def zero_init_parts(config: dict, declared: dict, **init_kwargs):
     with hf_deepspeed_config(init_config), init:
         yield
     _gather_non_zero3_parts(init.built, config, declared)
-
-
-def _probe_plan_configs(config, declared) -> dict:
-    """Each part's config, before the model exists: the declared ones, and the rest's (the top level)."""
-    from .plan import REST, _part_config
-    out = {name: _part_config(config, given, name) for name, given in declared.items()}
-    out[REST] = config
-    return out
 
 
 def _gather_non_zero3_parts(built, config, declared):
@@ -99,8 +91,9 @@ def _gather_non_zero3_parts(built, config, declared):
 
 def gather_non_zero3(model, plan) -> dict:
     """Make the partitioned parameters of ``model``'s parts that are not ZeRO-3 plain parameters again,
-    in their part's dtype; return {id(old parameter): new parameter}. Also for a model Transformers built under ZeRO-3 as a
-    whole (``TrainingArguments(deepspeed=...)`` with a top-level stage 3): initialize calls this."""
+    in their part's dtype; return {id(old parameter): new parameter}. Also for a model Transformers
+    built under ZeRO-3 as a whole (``TrainingArguments(deepspeed=...)`` with a top-level stage 3):
+    initialize calls this."""
     dtypes = {name: _dtype(cfg) for name, cfg in plan.configs.items()}
     owner = plan.owner_of()
     plain = {}  # id(partitioned parameter) -> its plain replacement (ties inside a part stay tied)

@@ -70,12 +70,10 @@ class Plan:
 
     def __init__(self, model: nn.Module, config: dict, declared: dict):
         self.model = model
-        self.modules, self.configs, self.param_names = {}, {}, {}
         names = list(declared)
         _check_names(model, names)
-        for name in names:
-            self.modules[name] = model.get_submodule(name)
-            self.configs[name] = _part_config(config, declared[name], name)
+        self.configs = declared_configs(config, declared)
+        self.modules = {name: model.get_submodule(name) for name in names}
         rest = _rest_container(model, names)
         if rest is not None:
             self.modules[REST] = rest
@@ -105,6 +103,11 @@ class Plan:
                 seen[id(p)] = name
         missing = [n for n, p in self.model.named_parameters() if id(p) not in seen]
         assert not missing, missing  # the rest takes everything the declarations leave
+
+
+def declared_configs(config: dict, declared: dict) -> dict:
+    """Each declared part's config (the model's, with the declaration over it), in declaration order."""
+    return {name: _part_config(config, given, name) for name, given in declared.items()}
 
 
 def _check_names(model, names):

@@ -52,10 +52,10 @@ def _rank_main(rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, ran
         dist = _join_process_group(rank, world_size, port, gpu, rank_setup)
         out = fn(*args, **kwargs)
         dist.barrier()
-        results.put((rank, out, None))
+        results.put((0, rank, out, None))
         _destroy_process_groups()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, None, traceback.format_exc()))
+        results.put((0, rank, None, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
 
@@ -160,24 +160,8 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout_s
-    outs, failure = {}, None
     try:
-        while len(outs) < world_size and failure is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, out, tb = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode not in (None, 0)]
-                if dead:
-                    failure = (dead[0], f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                continue
-            if tb is not None:
-                failure = (rank, tb)
-            else:
-                outs[rank] = out
+        outs, failure = _collect(results, procs, 0, timeout_s, pooled=False)
     finally:
         for p in procs:
             if p.is_alive():
@@ -186,17 +170,52 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    logs = "\n".join(f"----- rank {r} log (tail) -----\n{_tail(os.path.join(log_dir, f'rank{r}.log'))}"
-                     for r in range(world_size))
+    logs = _logs(log_dir, world_size)
     shutil.rmtree(log_dir, ignore_errors=True)
+    if failure is not None or len(outs) < world_size:
+        _raise_failed(fn, world_size, timeout_s, outs, failure, logs)
+    return [outs[r] for r in range(world_size)]
+
+
+def _collect(results, procs, seq, timeout_s, pooled):
+    """Read ``(seq, rank, out, traceback)`` results of run ``seq`` until every rank has answered, one
+    failed or died, or ``timeout_s`` passed: returns ({rank: out}, None or (rank, traceback)). A
+    one-off rank exits 0 once it has answered; a pooled rank never exits while the pool lives."""
+    deadline = time.monotonic() + timeout_s
+    outs, failure = {}, None
+    while len(outs) < len(procs) and failure is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            got_seq, rank, out, tb = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if p.exitcode is not None and (pooled or (r not in outs and p.exitcode != 0))]
+            if dead:
+                failure = (dead[0], f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+            continue
+        if got_seq != seq:
+            continue  # a late answer of an earlier run
+        if tb is not None:
+            failure = (rank, tb)
+        else:
+            outs[rank] = out
+    return outs, failure
+
+
+def _logs(log_dir, world_size) -> str:
+    return "\n".join(f"----- rank {r} log (tail) -----\n{_tail(os.path.join(log_dir, f'rank{r}.log'))}"
+                     for r in range(world_size))
+
+
+def _raise_failed(fn, world_size, timeout_s, outs, failure, logs):
     if failure is not None:
         rank, tb = failure
         raise RanksFailed(f"{fn.__name__} failed on rank {rank} of {world_size}:\n{tb}\n{logs}")
-    if len(outs) < world_size:
-        missing = sorted(set(range(world_size)) - set(outs))
-        raise RanksFailed(f"{fn.__name__} timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
-                          f"(a collective that another rank skipped?). Their stacks are in the logs:\n{logs}")
-    return [outs[r] for r in range(world_size)]
+    missing = sorted(set(range(world_size)) - set(outs))
+    raise RanksFailed(f"{fn.__name__} timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
+                      f"(a collective that another rank skipped?). Their stacks are in the logs:\n{logs}")
 
 
 # ------------------------------------------------------------------------------ a pool of ranks
@@ -237,37 +256,13 @@ class RankPool:
         seq = self._seq
         for q in self._tasks:
             q.put((seq, fn, args, kwargs, timeout_s))
-        deadline = time.monotonic() + timeout_s
-        outs, failure = {}, None
-        while len(outs) < self.world_size and failure is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                got_seq, rank, out, tb = self._results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
-                if dead:
-                    failure = (dead[0], f"rank {dead[0]} died with exit code {self._procs[dead[0]].exitcode}")
-                continue
-            if got_seq != seq:
-                continue
-            if tb is not None:
-                failure = (rank, tb)
-            else:
-                outs[rank] = out
+        outs, failure = _collect(self._results, self._procs, seq, timeout_s, pooled=True)
         if failure is None and len(outs) == self.world_size:
             return [outs[r] for r in range(self.world_size)]
         time.sleep(0.5)  # let the other ranks' logs catch up
-        logs = "\n".join(f"----- rank {r} log (tail) -----\n{_tail(os.path.join(self._log_dir, f'rank{r}.log'))}"
-                         for r in range(self.world_size))
+        logs = _logs(self._log_dir, self.world_size)
         self.close()
-        if failure is not None:
-            rank, tb = failure
-            raise RanksFailed(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{tb}\n{logs}")
-        missing = sorted(set(range(self.world_size)) - set(outs))
-        raise RanksFailed(f"{fn.__name__} timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
-                          f"(a collective that another rank skipped?). Their stacks are in the logs:\n{logs}")
+        _raise_failed(fn, self.world_size, timeout_s, outs, failure, logs)
 
     def close(self) -> None:
         for q, p in zip(self._tasks, self._procs):
