@@ -18,8 +18,9 @@ VENV_OLDEST ?= .venv-ds-oldest
 PY_OLDEST := $(VENV_OLDEST)/bin/python
 STAMP_OLDEST := $(VENV_OLDEST)/.installed
 # The correctness matrix's core groups (marked "core": tests/multi_gpu/scenarios.py, CORE), the
-# fuzzer's fixed seeds and the Accelerate loops.
-OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_fuzz.py tests/multi_gpu/test_accelerate.py
+# fuzzer's fixed seeds, the Accelerate loops, and the resize resume (it runs DeepSpeed's converter).
+OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_fuzz.py tests/multi_gpu/test_accelerate.py \
+	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size
 
 .PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi demo bench fuzz clean
 

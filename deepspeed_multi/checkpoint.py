@@ -41,6 +41,7 @@ import shutil
 import deepspeed.comm as dist
 import torch
 
+from . import resize
 from .state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -140,8 +141,8 @@ def _engine_record(e):
             "trains": e.trains, "global_steps": e.global_steps, "global_samples": e.global_samples,
             "skipped_steps": e.skipped_steps, "micro_steps": e.micro_steps,
             "window_micro_steps": e._window_micro_steps,
-            "gradient_accumulation_steps": e.gradient_accumulation_steps(),
-            "loss_scale": float(e._get_optimizer_loss_scale()) if e.fp16_enabled() else None,
+            "gradient_accumulation_steps": e.gradient_accumulation_steps(), "train_batch_size": e.train_batch_size(),
+            "loss_scale": float(e._get_optimizer_loss_scale()) if e.fp16_enabled() and e.has_optimizer else None,
             "weights_sha256": None if e.has_optimizer else _weights_digest(e)}
 
 
@@ -196,14 +197,13 @@ def load_checkpoint(load_dir, engines, tag=None):
     _raise_if_any(chosen[0])
     manifest = chosen[1]
     path = os.path.join(load_dir, manifest["tag"])
-    if manifest["world_size"] != world:
-        raise ValueError(f"deepspeed_multi.load_checkpoint: {path} was saved by {manifest['world_size']} ranks, this "
-                         f"job has {world}; resume with the same number of ranks.")
     if sorted(manifest["engines"]) != sorted(engines):
         raise ValueError(f"deepspeed_multi.load_checkpoint: {path} holds engines {sorted(manifest['engines'])}, "
                          f"given {sorted(engines)}; pass the same names as to save_checkpoint.")
     bad = _checksums(path, expected=manifest["files"])
     _raise_if_any(f"deepspeed_multi.load_checkpoint: {path} is damaged: {bad}" if bad else None)
+    resized = manifest["world_size"] != world  # see [Note: resuming at another world size]
+    converted = _convert_for(load_dir, path, manifest, engines) if resized else {}
     for name, engine in engines.items():
         record = manifest["engines"][name]
         if record["zero_stage"] != engine.zero_optimization_stage() or record["class"] != engine._engine_name():
@@ -217,7 +217,10 @@ def load_checkpoint(load_dir, engines, tag=None):
                                  "weights are not in the checkpoint (they never change): build it from the same "
                                  "weights as the saved run.")
             continue
-        loaded, _ = engine.load_checkpoint(path, tag=name)
+        if name in converted:
+            loaded, _ = resize.load_universal(engine, converted[name], name)
+        else:
+            loaded, _ = engine.load_checkpoint(path, tag=name)
         if loaded is None:
             raise FileNotFoundError(f"deepspeed_multi.load_checkpoint: DeepSpeed found no state for engine {name!r} "
                                     f"under {os.path.join(path, name)}.")
@@ -226,7 +229,13 @@ def load_checkpoint(load_dir, engines, tag=None):
         if record["loss_scale"] is not None and float(engine._get_optimizer_loss_scale()) != record["loss_scale"]:
             raise RuntimeError(f"deepspeed_multi.load_checkpoint: engine {name!r}: loss scale "
                                f"{engine._get_optimizer_loss_scale()} after loading, {record['loss_scale']} saved.")
-    _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=False))
+    if resized:
+        if rank == 0:
+            logger.warning("deepspeed_multi.load_checkpoint: %s was saved by %d ranks, this job has %d: the engines' "
+                           "states are re-partitioned, but the RNG states (one per saved rank) are not restored.",
+                           path, manifest["world_size"], world)
+    else:
+        _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=False))
     client_state = torch.load(os.path.join(path, "client_state.pt"), weights_only=False)
     if parted:
         for name, e in parted.items():
@@ -235,6 +244,23 @@ def load_checkpoint(load_dir, engines, tag=None):
     dist.barrier()
     logger.info("deepspeed_multi: loaded checkpoint %s (serial %d)", path, manifest["serial"])
     return client_state
+
+
+def _convert_for(load_dir, path, manifest, engines):
+    """{engine name: root of its universal form} for the trained engines whose optimizer state was
+    saved in slices for the saved world size; rank 0 converts, every rank waits for it."""
+    for name, e in engines.items():
+        saved = manifest["engines"][name].get("train_batch_size")
+        if dist.get_rank() == 0 and saved is not None and saved != e.train_batch_size():
+            logger.warning("deepspeed_multi.load_checkpoint: engine %r was saved with train_batch_size %d, resumes with "
+                           "%d: the resumed run is not the uninterrupted one.", name, saved, e.train_batch_size())
+    names = [n for n, e in engines.items() if e.has_optimizer and resize.partitioned(os.path.join(path, n))]
+    if not names:
+        return {}
+    target = resize.universal_dir(load_dir, manifest)
+    error = resize.convert(path, names, target) if dist.get_rank() == 0 else None
+    _raise_if_any(f"deepspeed_multi.load_checkpoint: {error}" if error else None)
+    return {name: target for name in names}
 
 
 def _choose(load_dir, tag):

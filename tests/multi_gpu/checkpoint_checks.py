@@ -12,7 +12,7 @@ import torch
 
 import deepspeed_multi
 from deepspeed_multi import checkpoint
-from common import MLP, ds_config, full_params
+from common import FP32_TOL, MLP, ds_config, full_params
 
 # set name -> chain of (engine name, ZeRO stage, gradient_accumulation_steps, trainable[, dtype])
 SETS = {
@@ -32,6 +32,7 @@ SAVE_AT, TOTAL = 2, 4  # steps; every engine's window ends at SAVE_AT
 # after the resume overflows again (its outcome depends on the restored hysteresis), then the
 # scale grows back (it depends on the restored overflow iteration).
 FP16_SETS = {f"fp16_z{stage}": [("a", stage, 1, True, "fp16")] for stage in (0, 1, 2, 3)}
+FP16_SETS["fp16_z2"].append(("frozen", 3, 1, False, "fp16"))  # an inference-only fp16 engine has no loss scale
 FP16_SAVE_AT, FP16_TOTAL, FP16_OVERFLOW_STEPS = 3, 6, (1, 2, 3)
 FP16_INITIAL_SCALE = 2.0**8
 FP16_CONFIG = {"fp16": {"loss_scale_window": 1}}
@@ -48,13 +49,13 @@ def _chain(set_name):
     return SETS.get(set_name) or FP16_SETS[set_name]
 
 
-def build(chain, seed_offset=0, frozen_offset=0):
+def build(chain, seed_offset=0, frozen_offset=0, micro_bs=4):
     """Trainable engines start from weights of ``seed_offset``: a resume must overwrite them.
     Inference-only engines are not saved, so a resume builds them from the same weights."""
     engines = {}
     for i, (name, stage, gas, trainable, *dtype) in enumerate(chain):
         model = MLP(seed=i + 1 + (seed_offset if trainable else frozen_offset))
-        cfg = ds_config(stage, gas=gas, **(dict(dtype=dtype[0], **FP16_CONFIG) if dtype == ["fp16"] else {}))
+        cfg = ds_config(stage, gas=gas, micro_bs=micro_bs, **(dict(dtype=dtype[0], **FP16_CONFIG) if dtype == ["fp16"] else {}))
         if trainable:
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
             engines[name] = deepspeed_multi.initialize(model=model, optimizer=opt, config=cfg)[0]
@@ -78,6 +79,66 @@ def train(engines, start, stop, overflow_steps=()):
         for engine in engines.values():
             if engine.trains:
                 engine.step()
+
+
+# Resume on another number of ranks (deepspeed_multi/resize.py): ZeRO 0-3 and an inference-only
+# engine in one set, gas 1 and 2; every step is one global batch of RESIZE_BATCH rows, cut into
+# equal slices, one per rank, so the runs on 2 and on 4 ranks train on the same data (equal up to
+# the order of float sums: compared at FP32_TOL). No global RNG: a resized resume does not restore it.
+RESIZE_SET = SETS["mixed"]
+RESIZE_BATCH, RESIZE_SAVE_AT, RESIZE_TOTAL = 8, 2, 6
+
+
+def _build_resized(seed_offset=0):
+    return build(RESIZE_SET, seed_offset=seed_offset, micro_bs=RESIZE_BATCH // dist.get_world_size())
+
+
+def train_global_batch(engines, start, stop):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * RESIZE_BATCH // world, (rank + 1) * RESIZE_BATCH // world)
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(1000 + step)
+        h, y = torch.randn(RESIZE_BATCH, 8, generator=g)[rows], torch.randn(RESIZE_BATCH, 8, generator=g)[rows]
+        for engine in engines.values():
+            h = engine(h)
+        ((h - y)**2).mean().backward()
+        for engine in engines.values():
+            if engine.trains:
+                engine.step()
+
+
+def save_for_resize(root):
+    """The uninterrupted run on this number of ranks, saved at RESIZE_SAVE_AT on the way."""
+    world = dist.get_world_size()
+    engines = _build_resized()
+    train_global_batch(engines, 0, RESIZE_SAVE_AT)
+    deepspeed_multi.save_checkpoint(os.path.join(root, f"from{world}"), engines, client_state={"step": RESIZE_SAVE_AT})
+    at_save = _params(engines)
+    train_global_batch(engines, RESIZE_SAVE_AT, RESIZE_TOTAL)
+    _save_rank0({"at_save": at_save, "final": _params(engines)}, os.path.join(root, f"from{world}.ref.pt"))
+
+
+def resume_resized(root, saved_world):
+    """Fresh engines (other weights) on this number of ranks resume the save of ``saved_world``
+    ranks: bit-identical at the load, equal to the uninterrupted run at the end."""
+    world = dist.get_world_size()
+    assert world != saved_world, (world, saved_world)
+    engines = _build_resized(seed_offset=50)
+    state = deepspeed_multi.load_checkpoint(os.path.join(root, f"from{saved_world}"), engines)
+    assert state == {"step": RESIZE_SAVE_AT}, state
+    ref = torch.load(os.path.join(root, f"from{saved_world}.ref.pt"))
+    what = f"saved on {saved_world} ranks, resumed on {world}"
+    _assert_identical(_params(engines), ref["at_save"], f"{what}, just after loading step {RESIZE_SAVE_AT}")
+    for name, e in engines.items():
+        steps = RESIZE_SAVE_AT // e.gradient_accumulation_steps() if e.trains else 0
+        assert e.global_steps == steps, f"{what}: engine {name!r} global_steps {e.global_steps}, saved at {steps}"
+    train_global_batch(engines, RESIZE_SAVE_AT, RESIZE_TOTAL)
+    got = _params(engines)
+    for name in ref["final"]:
+        for p, want in ref["final"][name].items():
+            err = (got[name][p] - want).abs().max().item()
+            assert err <= FP32_TOL, (f"{what}: engine {name!r} parameter {p} differs from the uninterrupted run by "
+                                     f"{err:.3e} after step {RESIZE_TOTAL} (tolerance {FP32_TOL})")
 
 
 def _reseed(seed):
@@ -119,7 +180,7 @@ def save_then_continue(root, sets):
         engines = build(_chain(set_name))
         train(engines, 0, save_at, overflow)
         for name, e in engines.items():
-            if overflow:  # the save must hold a loss scale and skip count that the overflows changed
+            if overflow and e.trains:  # the save must hold a loss scale and skip count that the overflows changed
                 skipped, scale = len([s for s in overflow if s < save_at]), e._get_optimizer_loss_scale()
                 assert e.skipped_steps == skipped and scale < FP16_INITIAL_SCALE, (
                     f"set {set_name} engine {name!r} before the save: {e.skipped_steps} skipped steps, loss scale "

@@ -25,6 +25,21 @@ def test_fp16_resume_after_overflow_is_bit_identical(tmp_path):
     run_distributed(checks.resume_and_compare, str(tmp_path), sets)
 
 
+def test_resume_at_another_world_size(tmp_path):
+    """A set with engines at ZeRO 0, 1, 2 and 3 (one inference-only, gas 1 and 2) saved on 2 ranks
+    resumes on 4, and saved on 4 resumes on 2, equal (fp32, 1e-5) to the uninterrupted run on the
+    same global batch."""
+    root = str(tmp_path)
+    run_distributed(checks.save_for_resize, root, world_size=2)
+    run_distributed(_resume_and_save_for_resize, root, world_size=4)
+    run_distributed(checks.resume_resized, root, 4, world_size=2)
+
+
+def _resume_and_save_for_resize(root):
+    checks.resume_resized(root, 2)
+    checks.save_for_resize(root)
+
+
 def _resume_then_window(root, sets):
     checks.resume_and_compare(root, sets)
     checks.save_refused_mid_window(root)

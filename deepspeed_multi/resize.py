@@ -1,0 +1,91 @@
+"""Resume a set checkpoint on another number of ranks (called by ``deepspeed_multi.load_checkpoint``).
+
+[Note: resuming at another world size]
+A set checkpoint holds each engine's own DeepSpeed checkpoint; what in it depends on the number
+of ranks decides what a resume on M ranks of a save on N does:
+
+- An engine whose optimizer state is partitioned (ZeRO-1/2/3, and bf16 at ZeRO-0, whose optimizer
+  partitions its fp32 master copy as ZeRO-1 does) saved one ``*_optim_states.pt`` per rank: flat
+  slices of fp32 master weights and optimizer states cut for N ranks. Rank 0 converts it with
+  DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``: one file per parameter and
+  state) into ``<load_dir>/.<tag>.universal.<digest>/<engine>``, once per checkpoint (the digest is
+  the manifest's file sums, so a later tag of the same name is converted afresh), and every rank
+  loads its new slices from it with the engine's ``load_universal_checkpoint`` switched on for
+  that call alone: DeepSpeed's universal-checkpoint loading, not ours.
+- An engine at ZeRO-0 in fp32 or fp16 keeps its whole optimizer state in its model-state file,
+  which does not depend on the number of ranks: it loads as at the same size.
+- An inference-only engine saved nothing; its weights' digest is checked as at the same size.
+- The counters (global steps and samples, the accumulation-window position, the loss scale) are
+  the engines' and carry over. The RNG states are per rank and are NOT restored: rank r of M
+  has no saved state when r >= N, and giving ranks each other's states would make their dropout
+  masks equal. A run that draws from the global RNGs therefore resumes with fresh streams.
+- The global batch is the caller's to keep: resuming with another ``train_batch_size`` than the
+  saved one is allowed (jobs are resized to change it too) and logged, since the resumed run is
+  then not the uninterrupted one.
+
+The converted directory starts with '.', holds no manifest, and is never taken for a checkpoint;
+a conversion killed half-way leaves ``.<tag>.universal.<digest>.converting``, redone next time.
+"""
+import argparse
+import contextlib
+import glob
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+
+logger = logging.getLogger(__name__)
+
+_OPTIM_FILES = "*_optim_states.pt"  # DeepSpeed's per-rank optimizer slices (zero_pp_rank_*, bf16_zero_pp_rank_*)
+
+
+def universal_dir(load_dir, manifest):
+    """Where the universal form of the checkpoint ``manifest`` describes is kept."""
+    digest = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(load_dir, f".{manifest['tag']}.universal.{digest}")
+
+
+def partitioned(engine_dir):
+    """Whether an engine's DeepSpeed checkpoint holds optimizer slices cut for its world size."""
+    return bool(glob.glob(os.path.join(engine_dir, _OPTIM_FILES)))
+
+
+def convert(path, names, target):
+    """Convert the engines ``names`` of the set checkpoint at ``path`` into universal form under
+    ``target`` (one process; atomic: a staging directory renamed when every engine is done).
+    Returns None, or why it failed."""
+    if os.path.isdir(target):
+        return None
+    from deepspeed.checkpoint import ds_to_universal
+    staging = target + ".converting"
+    shutil.rmtree(staging, ignore_errors=True)
+    for name in names:
+        args = argparse.Namespace(input_folder=os.path.join(path, name), output_folder=os.path.join(staging, name),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)  # no tensor parallelism: the default info holds
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                ds_to_universal.main(args)
+        except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
+            return (f"DeepSpeed's universal-checkpoint conversion (deepspeed.checkpoint.ds_to_universal) of engine "
+                    f"{name!r} in {path} failed: {type(e).__name__}: {e}. Resume with the number of ranks it was "
+                    f"saved with. Converter output:\n{printed.getvalue()[-2000:]}")
+        logger.debug("ds_to_universal %s:\n%s", name, printed.getvalue())
+    os.makedirs(staging, exist_ok=True)
+    os.rename(staging, target)
+    return None
+
+
+def load_universal(engine, root, name):
+    """``engine.load_checkpoint(root, tag=name)`` from the universal form, the engine's universal
+    switch on for this call alone. Returns what load_checkpoint returns."""
+    config = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        return engine.load_checkpoint(root, tag=name)
+    finally:
+        config.load_universal_checkpoint = before
