@@ -88,6 +88,7 @@ class Member:
     config: dict
     trainable: bool = True
     lr: float = 0.1
+    param_groups: Callable = None  # trainable params -> the engine optimizer's param groups (e.g. MoE's)
 
     @property
     def dtype(self):
@@ -121,6 +122,7 @@ class Scenario:
     dtype: str = "fp32"
     world_size: int = 2
     took_effect: Callable = None  # engines -> None; raises if a configured knob did not take effect
+    prepare: Callable = None  # engines -> None: after initialize, before the first forward (e.g. engine.compile())
 
     def __post_init__(self):
         if self.batch is None:
@@ -221,7 +223,8 @@ def build_engines(scenario: Scenario, initialize):
         cfg = copy.deepcopy(m.config)
         if m.trainable:
             # The trainable parameters only, as Trainer passes them (a PEFT model's base weights are frozen).
-            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=m.lr)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.SGD(m.param_groups(params) if m.param_groups else params, lr=m.lr)
             engines[name], _, _, _ = initialize(model=model, optimizer=opt, config=cfg)
         else:
             model.requires_grad_(False)
@@ -231,6 +234,8 @@ def build_engines(scenario: Scenario, initialize):
 
 def run_engines(scenario: Scenario, initialize, engines=None):
     engines = engines or build_engines(scenario, initialize)
+    if scenario.prepare is not None:
+        scenario.prepare(engines)
     rank = dist.get_rank()
     device = next(iter(engines.values())).device
     for step in range(scenario.micro_steps):

@@ -124,6 +124,32 @@ class EmbBody(nn.Module):
         return self.head(out.to(self.emb.weight.dtype)).float() if self.head is not None else out
 
 
+class MoEMLP(MLP):
+    """An MLP with a DeepSpeed MoE layer (2 experts, top-1, expert-parallel size 1) between its
+    layers; deterministic routing (no random token selection; capacity factor 2 = the number of
+    experts, so no token is dropped), and the
+    gate's auxiliary loss added to the output so that the gate trains through both."""
+
+    def __init__(self, seed=0, aux_weight=0.01):
+        super().__init__(seed=seed)
+        from deepspeed.moe.layer import MoE
+        torch.manual_seed(seed)
+        self.moe = MoE(hidden_size=16, expert=nn.Linear(16, 16), num_experts=2, ep_size=1, k=1, use_rts=False,
+                       capacity_factor=2.0, eval_capacity_factor=2.0, min_capacity=0)
+        self.aux_weight = aux_weight
+
+    def forward(self, x):
+        x = x.to(self.fc1.weight.dtype)
+        h, aux, _ = self.moe(torch.tanh(self.fc1(x)))
+        return (self.fc2(h) + self.aux_weight * aux).float()
+
+
+def moe_param_groups(params):
+    """The optimizer's param groups DeepSpeed requires for MoE: expert parameters apart."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    return split_params_into_different_moe_groups_for_optimizer({"params": list(params), "name": "all"})
+
+
 def tiny_causal_lm(arch="gpt2", seed=0):
     """A Hugging Face causal LM from a tiny config with random weights (nothing is downloaded)."""
     import transformers

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from common import MLP, Member, Phase, Scenario, ds_config
 from common import default_batch
 from models import CheckpointedMLP, EmbBody, InplaceInputMLP, Scalar, StructuredMLP, TwoHeads, structured_out
-from models import lora_llama, tiny_causal_lm
+from models import MoEMLP, lora_llama, moe_param_groups, tiny_causal_lm
 
 
 def mlp(seed, **kw):
@@ -560,6 +560,193 @@ for _stage in (2, 3):
 SCENARIOS["knob-z3-lora-reentrant-gas1"] = functools.partial(_lora, 3, gas=1)
 SCENARIOS["knob-z3-lora-nonreentrant-gas2"] = functools.partial(_lora, 3, False)
 SCENARIOS["knob-z3-lora-reentrant-fed-gas2"] = functools.partial(_lora, 3, fed=True)
+
+
+# One family per DeepSpeed knob (issue 24): a diamond of three engines at ZeRO 1, 2 and 3 (a feeds
+# b and c, whose outputs are summed), gas 2, the knob in every engine that accepts it; each row
+# checks that the knob reached DeepSpeed (took_effect) besides the gradients.
+def _diamond(stages=(1, 2, 3), dtype="fp32", gas=2):
+    """a feeds b and c, whose outputs are summed."""
+    members = {name: Member(mlp(i + 1), ds_config(stage, dtype, gas)) for i, (name, stage) in
+               enumerate(zip("abc", stages))}
+
+    def loss(m, b, c):
+        h = m["a"](b["x"])
+        return mse(m["b"](h) + m["c"](h), b["y"])
+
+    return Scenario(members=members, phases=[Phase(loss)], dtype=dtype, micro_steps=6)
+
+
+def _knob(took_effect, stages=(1, 2, 3), dtype="fp32", top=None, gas=2, **zero):
+    scenario = _knobs(_diamond(stages, dtype, gas), top, **zero)
+    scenario.took_effect = took_effect
+    return scenario
+
+
+def _each(check):
+    """took_effect that runs ``check(name, engine)`` on every engine, naming the one that fails."""
+    def took_effect(engines):
+        for name, engine in engines.items():
+            assert check(engine), f"engine {name!r} (ZeRO-{engine.zero_optimization_stage()}): the knob did not take effect"
+    return took_effect
+
+
+def _offloads_optimizer(engine):
+    opt = engine.optimizer
+    return opt.offload_optimizer if engine.zero_optimization_stage() == 3 else opt.cpu_offload
+
+
+def _offloads_params(engine):
+    return engine.zero_optimization_stage() != 3 or (engine.zero_offload_param() is not None
+                                                     and engine.optimizer.offload_param)
+
+
+def _data_types(grad_accum=None, comm=None):
+    def check(engine):
+        ok = True
+        if grad_accum is not None:
+            ok &= engine.get_data_types()[1] == grad_accum
+        if comm is not None:
+            ok &= engine.communication_data_type == comm
+        return ok
+    return check
+
+
+def _hpz(engine):
+    return engine.zero_optimization_stage() != 3 or engine.zero_hpz_partition_size() == 2
+
+
+def _compiled(gas):
+    """engine.compile() on every engine, with aot_eager: TorchDynamo and AOTAutograd trace forward
+    and backward as with inductor, without inductor's C++ build (minutes on this CPU box)."""
+    scenario = _diamond(gas=gas)
+    scenario.prepare = lambda engines: [e.compile(backend="aot_eager") for e in engines.values()]
+    scenario.took_effect = _each(lambda e: e.is_compiled)
+    return scenario
+
+
+def _monitored(gas):
+    """DeepSpeed's CSV monitor in every engine, each writing under its own job name."""
+    import tempfile
+    root = tempfile.mkdtemp(prefix="dsm-monitor-")
+    scenario = _diamond(gas=gas)
+    for name, member in scenario.members.items():
+        member.config["csv_monitor"] = {"enabled": True, "output_path": root, "job_name": name}
+
+    def took_effect(engines):
+        import os
+        import deepspeed.comm as dist
+        for name, e in engines.items():
+            assert e.monitor.enabled, f"engine {name!r}: monitor not enabled"
+            if dist.get_rank() == 0:
+                written = [f for _, _, fs in os.walk(os.path.join(root, name)) for f in fs]
+                assert written, f"engine {name!r}: the CSV monitor wrote nothing under {root}/{name}"
+    scenario.took_effect = took_effect
+    return scenario
+
+
+def _moe(stages, gas):
+    """The models of the engines below ZeRO-3 hold a DeepSpeed MoE layer (models.MoEMLP; DeepSpeed
+    refuses native MoE at ZeRO-3 with a clear error)."""
+    scenario = _diamond(stages, gas=gas)
+    for member, stage in zip(scenario.members.values(), stages):
+        if stage < 3:
+            member.build = functools.partial(MoEMLP, seed=member.build.keywords["seed"])
+            member.param_groups = moe_param_groups
+    scenario.took_effect = _each(lambda e: e.has_moe_layers == (e.zero_optimization_stage() < 3))
+    return scenario
+
+
+def _checkpoint_spans(reentrant, gas):
+    """torch.utils.checkpoint around the whole diamond: the recomputation in backward calls all
+    three engines again (ZeRO-3 gathers inside another engine's backward)."""
+    from torch.utils.checkpoint import checkpoint
+    scenario = _diamond(gas=gas)
+
+    def loss(m, b, c):
+        def body(x):
+            h = m["a"](x)
+            return m["b"](h) + m["c"](h)
+        x = b["x"].clone().requires_grad_(reentrant)  # reentrant needs an input that requires grad
+        return mse(checkpoint(body, x, use_reentrant=reentrant), b["y"])
+
+    scenario.phases = [Phase(loss)]
+    return scenario
+
+
+def _opt_has(**attrs):
+    """took_effect check: a ZeRO optimizer (stage >= 1) carries ``attrs``; stage 0 engines pass."""
+    def check(engine):
+        opt = engine.optimizer
+        return engine.zero_optimization_stage() == 0 or all(getattr(opt, k) == v for k, v in attrs.items())
+    return check
+
+
+def _overlaps(engine):
+    """ZeRO-2's optimizer keeps overlap_comm; ZeRO-3 passes it to its parameter offload (streams)."""
+    if engine.zero_optimization_stage() == 3:
+        return engine.zero_overlap_comm()
+    return engine.optimizer.overlap_comm
+
+
+def _zero3_has(**attrs):
+    """took_effect check: the ZeRO-3 engines' parameter coordinator settings (others pass)."""
+    def check(engine):
+        if engine.zero_optimization_stage() != 3:
+            return True
+        offload = engine.optimizer.parameter_offload
+        return all(getattr(offload, k) == v for k, v in attrs.items())
+    return check
+
+
+_OFFLOAD_TOP = {"zero_force_ds_cpu_optimizer": False}  # the matrix's SGD, not DeepSpeedCPUAdam
+_OFFLOAD_OPT = dict(top=_OFFLOAD_TOP, offload_optimizer={"device": "cpu"})
+# At gas 2 upstream's diamond is wrong for another reason (a chain divides by gas twice: "What
+# works"), so every knob also has a gas-1 row, where upstream's column measures the knob itself.
+for _gas in (1, 2):
+    SCENARIOS.update({
+        f"knob-offload-optimizer-z123-gas{_gas}": functools.partial(_knob, _each(_offloads_optimizer), gas=_gas,
+                                                                    **_OFFLOAD_OPT),
+        f"knob-offload-optimizer-z123-bf16-gas{_gas}": functools.partial(
+            _knob, _each(_offloads_optimizer), dtype="bf16", gas=_gas, **_OFFLOAD_OPT),
+        f"knob-offload-param-z3-gas{_gas}": functools.partial(_knob, _each(_offloads_params), stages=(2, 3, 3),
+                                                              gas=_gas, offload_param={"device": "cpu"}, **_OFFLOAD_OPT),
+        f"knob-grad-accum-fp32-z123-bf16-gas{_gas}": functools.partial(
+            _knob, _each(_data_types(grad_accum=torch.float32)), dtype="bf16", gas=_gas,
+            top={"data_types": {"grad_accum_dtype": "fp32"}}),
+        f"knob-comm-fp32-z123-bf16-gas{_gas}": functools.partial(
+            _knob, _each(_data_types(comm=torch.float32)), dtype="bf16", gas=_gas,
+            top={"communication_data_type": "fp32"}),
+        f"knob-hpz-z3-gas{_gas}": functools.partial(_knob, _each(_hpz), stages=(2, 3, 3), gas=_gas,
+                                                    zero_hpz_partition_size=2),
+        f"knob-compile-z123-gas{_gas}": functools.partial(_compiled, _gas),
+        f"knob-monitor-z123-gas{_gas}": functools.partial(_monitored, _gas),
+        f"knob-moe-z012-gas{_gas}": functools.partial(_moe, (0, 1, 2), _gas),
+        # The reduction knobs the fuzzer also draws, one row each (refused combinations: docs/limits.md).
+        f"knob-overlap-comm-z223-gas{_gas}": functools.partial(
+            _knob, _each(_overlaps), stages=(2, 2, 3), gas=_gas, overlap_comm=True),
+        f"knob-noncontiguous-z123-gas{_gas}": functools.partial(
+            _knob, _each(_opt_has(contiguous_gradients=False)), gas=_gas, contiguous_gradients=False),
+        f"knob-no-reduce-scatter-z123-gas{_gas}": functools.partial(
+            _knob, _each(_opt_has(reduce_scatter=False)), gas=_gas, reduce_scatter=False),
+        f"knob-round-robin-z121-gas{_gas}": functools.partial(
+            _knob, _each(_opt_has(round_robin_gradients=True)), stages=(1, 2, 1), gas=_gas, round_robin_gradients=True),
+        f"knob-big-buckets-z123-gas{_gas}": functools.partial(
+            _knob, _each(_opt_has(reduce_bucket_size=5 * 10**8)), gas=_gas, reduce_bucket_size=5 * 10**8,
+            allgather_bucket_size=5 * 10**8, stage3_prefetch_bucket_size=5 * 10**8),
+        f"knob-z3-persistent-live-reuse-z233-gas{_gas}": functools.partial(
+            _knob, _each(_zero3_has(param_numel_persistence_threshold=64)), stages=(2, 3, 3), gas=_gas,
+            stage3_param_persistence_threshold=64, stage3_max_live_parameters=256, stage3_max_reuse_distance=0),
+        f"knob-predivide-z123-gas{_gas}": functools.partial(
+            _knob, _each(_opt_has(gradient_predivide_factor=4.0)), gas=_gas,
+            top={"gradient_predivide_factor": 4.0}, reduce_scatter=False),
+        f"knob-prescale-z012-gas{_gas}": functools.partial(
+            _knob, _each(_opt_has(postscale_gradients=False)), stages=(0, 1, 2), gas=_gas,
+            top={"prescale_gradients": True}, reduce_scatter=False),
+        f"knob-checkpoint-spans-engines-reentrant-z123-gas{_gas}": functools.partial(_checkpoint_spans, True, _gas),
+        f"knob-checkpoint-spans-engines-nonreentrant-z123-gas{_gas}": functools.partial(_checkpoint_spans, False, _gas),
+        f"knob-moe-beside-z3-gas{_gas}": functools.partial(_moe, (1, 2, 3), _gas),
+    })
 
 
 # Scenarios that cannot work and must fail with a clear error instead: name -> text of the error.
