@@ -24,7 +24,9 @@ What a program draws
   own, so a seed's program is otherwise the same): DeepSpeed's ``overlap_comm``,
   ``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, ZeRO-3's persistence
   threshold, ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``,
-  ``gradient_predivide_factor`` and ``prescale_gradients`` where DeepSpeed accepts them;
+  ``gradient_predivide_factor`` and ``prescale_gradients`` where DeepSpeed accepts them; CPU
+  offload of the optimizer (and of ZeRO-3 parameters); under bf16, fp32 gradient accumulation and
+  fp32 communication;
 - with parts (every sixth batch of a long run: every third without knobs; ``PARTS=1`` in a replay;
   their own stream too):
   engines whose model declares ``body`` and/or ``head`` as submodules with ZeRO stages of their
@@ -145,6 +147,7 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = Fa
     if knobs:
         for i, e in enumerate(engines):
             e["knobs"] = _draw_knobs(random.Random(f"knobs-{seed}-{i}"), e["stage"], profile)
+            _draw_more_knobs(random.Random(f"knobs2-{seed}-{i}"), e, profile)
     elif parts:
         _draw_parts(random.Random(f"parts-{seed}"), engines)
     return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad,
@@ -184,6 +187,22 @@ def _draw_knobs(rng, stage, profile) -> dict:
         if stage < 3:
             top["prescale_gradients"] = rng.random() < 0.25
     return {"top": top, "zero": zero}
+
+
+def _draw_more_knobs(rng, engine, profile):
+    """CPU offload and 16-bit data types, from a stream of their own (so the knobs above, and every
+    recorded knob seed's program, stay as they were): added to ``engine["knobs"]``."""
+    top, zero, stage = engine["knobs"]["top"], engine["knobs"]["zero"], engine["stage"]
+    if stage >= 1 and engine["trains"] and rng.random() < 0.3:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        top["zero_force_ds_cpu_optimizer"] = False  # the fuzzer's SGD, not DeepSpeedCPUAdam
+        if stage == 3 and rng.random() < 0.5:
+            zero["offload_param"] = {"device": "cpu"}
+    if profile == "bf16":
+        if rng.random() < 0.3 and stage >= 1:  # DeepSpeed's stage 0 raises NotImplementedError for the mix
+            top["data_types"] = {"grad_accum_dtype": "fp32"}
+        if rng.random() < 0.3:
+            top["communication_data_type"] = "fp32"
 
 
 def _draw_expr(rng, n, depth):

@@ -645,6 +645,26 @@ def _monitored(gas):
     return scenario
 
 
+def _offload_idle(stages, gas, every):
+    """CPU offload, and engine a's ``fc2`` gets no gradient on some micro-steps (only a's ``fc1`` is
+    called there, outside ``a(...)``): every other window (``every="window"``) or every other
+    micro-step (``"micro"``). DeepSpeed applied the last window's gradient to ``fc2`` again there
+    ([Note: stale offloaded gradients])."""
+    scenario = _knob(_each(_offloads_optimizer), stages=stages, gas=gas, **_OFFLOAD_OPT)
+    scenario.batch = _with_step(default_batch)
+
+    def loss(m, b, c):
+        step = int(b["step"])
+        if (step // gas if every == "window" else step) % 2 == 1:
+            h = torch.tanh(mod(m["a"]).fc1(b["x"]))[:, :8]
+        else:
+            h = m["a"](b["x"])
+        return mse(m["b"](h) + m["c"](h), b["y"])
+
+    scenario.phases = [Phase(loss)]
+    return scenario
+
+
 def _moe(stages, gas):
     """The models of the engines below ZeRO-3 hold a DeepSpeed MoE layer (models.MoEMLP; DeepSpeed
     refuses native MoE at ZeRO-3 with a clear error)."""
@@ -722,6 +742,8 @@ for _gas in (1, 2):
         f"knob-compile-z123-gas{_gas}": functools.partial(_compiled, _gas),
         f"knob-monitor-z123-gas{_gas}": functools.partial(_monitored, _gas),
         f"knob-moe-z012-gas{_gas}": functools.partial(_moe, (0, 1, 2), _gas),
+        f"knob-offload-optimizer-idle-window-z123-gas{_gas}": functools.partial(_offload_idle, (1, 2, 3), _gas, "window"),
+        f"knob-offload-optimizer-idle-window-z213-gas{_gas}": functools.partial(_offload_idle, (2, 1, 3), _gas, "window"),
         # The reduction knobs the fuzzer also draws, one row each (refused combinations: docs/limits.md).
         f"knob-overlap-comm-z223-gas{_gas}": functools.partial(
             _knob, _each(_overlaps), stages=(2, 2, 3), gas=_gas, overlap_comm=True),
@@ -747,6 +769,10 @@ for _gas in (1, 2):
         f"knob-checkpoint-spans-engines-nonreentrant-z123-gas{_gas}": functools.partial(_checkpoint_spans, False, _gas),
         f"knob-moe-beside-z3-gas{_gas}": functools.partial(_moe, (1, 2, 3), _gas),
     })
+
+
+SCENARIOS["knob-offload-optimizer-idle-micro-z123-gas2"] = functools.partial(_offload_idle, (1, 2, 3), 2, "micro")
+SCENARIOS["knob-offload-optimizer-idle-micro-z213-gas2"] = functools.partial(_offload_idle, (2, 1, 3), 2, "micro")
 
 
 # Scenarios that cannot work and must fail with a clear error instead: name -> text of the error.

@@ -1,0 +1,48 @@
+"""ZeRO-1/2 with CPU offload: a parameter without a gradient in a window gets none at the update.
+
+[Note: stale offloaded gradients]
+With ``offload_optimizer``, DeepSpeed's ZeRO-1/2 keeps the update's fp32 gradient partition in one
+CPU buffer per group (``single_partition_of_fp32_groups[i].grad``) and, for accumulation, one CPU
+buffer per parameter (``accumulated_grads_in_cpu``), allocated once and reused. At the boundary it
+copies in the gradient of each parameter that got one this window; a parameter that got none (a
+branch not taken, a submodule used on some steps only) keeps whatever its slot held: the gradient
+of the last window that reached it. The update then applies that stale gradient again, where
+PyTorch (and DeepSpeed without offload) applies none. Upstream too (0.19.8: one ZeRO-2 engine, an
+input submodule used on odd steps only, error 6.3e-2 against plain PyTorch; found by the fuzzer's
+offload draws, seeds 800183, 800190, 800388).
+
+After DeepSpeed's end-of-step buffer reset (``reset_cpu_buffers``, run by a completed and by an
+overflow-skipped ``step()`` alike, after it has waited for the pending copies), both buffers are
+zeroed, so the next window starts from zeros as the non-offload path does. A slot that gets a
+gradient is overwritten by DeepSpeed's copy as before: results are DeepSpeed's bits wherever
+DeepSpeed is right. A correctness fix, installed on every supported release.
+"""
+from __future__ import annotations
+
+from .. import compat
+
+FEATURE = "stage12_offload_grads"
+_RESET = "reset_cpu_buffers"
+
+
+def reset_cpu_buffers(self):
+    """DeepSpeed's reset, then the offloaded gradient buffers zeroed (see the Note)."""
+    compat.original(self, _RESET)()
+    for group in self.single_partition_of_fp32_groups:
+        if group.grad is not None:
+            group.grad.zero_()
+    for buffer in getattr(self, "accumulated_grads_in_cpu", {}).values():
+        buffer.zero_()
+
+
+def applies(optimizer) -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    return isinstance(optimizer, DeepSpeedZeroOptimizer) and bool(getattr(optimizer, "cpu_offload", False))
+
+
+def install(optimizer) -> bool:
+    """Zero the offloaded gradient buffers after every step (see the Note); return whether needed."""
+    if not applies(optimizer):
+        return False
+    compat.replace_method(optimizer, _RESET, reset_cpu_buffers, FEATURE)
+    return True
