@@ -3,7 +3,7 @@
 Correctness (always): ``buffers`` (gradients kept and discarded with PyTorch's meaning),
 ``stage3_counters`` (a retained graph backpropagated again at ZeRO-3), the direct-use check
 (``autograd.outside_use``), ``stage3_predivide`` (ZeRO-3 averaging at
-``gradient_predivide_factor`` == world size) and ``stage12_offload_grads`` (no stale gradient
+``gradient_predivide_factor`` == world size) and ``offload_grads`` (no stale gradient
 after a window without one under CPU offload), the last two installed here before the fast paths. Fast paths
 (each gives DeepSpeed's bits, each checked by ``compat.fast_path_exact`` and skipped where it
 does not apply):
@@ -32,8 +32,8 @@ import logging
 
 from .. import ops
 from ..switches import FUSED_ZERO, switch_on
-from . import (stage3_grad_view, stage3_partition, stage3_predivide, stage3_scatter, stage12_bucket_pack,
-               stage12_grad_view, stage12_hook_count, stage12_offload_grads, stage12_overflow, stage12_reduce)
+from . import (offload_grads, stage3_grad_view, stage3_partition, stage3_predivide, stage3_scatter,
+               stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce)
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
@@ -43,7 +43,7 @@ def install(optimizer, fused_reduce: bool) -> dict:
     """Install every fast path that applies to ``optimizer``, in the order of the Note; return
     ``{feature: installed}``. ``fused_reduce`` is the config option."""
     done = {stage3_predivide.FEATURE: stage3_predivide.install(optimizer),
-            stage12_offload_grads.FEATURE: stage12_offload_grads.install(optimizer)}
+            offload_grads.FEATURE: offload_grads.install(optimizer)}
     for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})

@@ -744,6 +744,7 @@ for _gas in (1, 2):
         f"knob-moe-z012-gas{_gas}": functools.partial(_moe, (0, 1, 2), _gas),
         f"knob-offload-optimizer-idle-window-z123-gas{_gas}": functools.partial(_offload_idle, (1, 2, 3), _gas, "window"),
         f"knob-offload-optimizer-idle-window-z213-gas{_gas}": functools.partial(_offload_idle, (2, 1, 3), _gas, "window"),
+        f"knob-offload-optimizer-idle-window-z312-gas{_gas}": functools.partial(_offload_idle, (3, 1, 2), _gas, "window"),
         # The reduction knobs the fuzzer also draws, one row each (refused combinations: docs/limits.md).
         f"knob-overlap-comm-z223-gas{_gas}": functools.partial(
             _knob, _each(_overlaps), stages=(2, 2, 3), gas=_gas, overlap_comm=True),

@@ -13,8 +13,8 @@ BF16_SEEDS = list(range(0, 12)) + [3745, 3995, 7243]
 # With DeepSpeed knobs drawn (issue 24). 300002 and 300014: a frozen ZeRO-2 engine's overlap_comm
 # reached DeepSpeed at stage 0, which refuses it under unmanaged accumulation. 800183 and 800190:
 # CPU offload at ZeRO-2 applied a parameter's stale gradient in a window where it got none
-# (DeepSpeed too; deepspeed_multi/zero/stage12_offload_grads.py).
-KNOB_SEEDS = list(range(0, 8)) + [300002, 300014, 800183, 800190]
+# (DeepSpeed too; deepspeed_multi/zero/offload_grads.py). 810098: the same at ZeRO-3.
+KNOB_SEEDS = list(range(0, 8)) + [300002, 300014, 800183, 800190, 810098]
 KNOB_BF16_SEEDS = list(range(0, 4))
 # Models in parts (issue 21): one engine's model holds submodules at other ZeRO stages. 13 (bf16):
 # a model with every part frozen was given an optimizer facade over a ZeRO-3 inference engine.

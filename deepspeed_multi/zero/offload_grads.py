@@ -1,0 +1,56 @@
+"""ZeRO-1/2/3 with CPU offload: a parameter without a gradient in a window gets none at the update.
+
+[Note: stale offloaded gradients]
+With ``offload_optimizer``, DeepSpeed keeps the update's fp32 gradient partition in CPU buffers
+allocated once and reused: one per group at ZeRO-1/2 (``single_partition_of_fp32_groups[i].grad``,
+plus one per parameter for accumulation, ``accumulated_grads_in_cpu``), one per sub-group at
+ZeRO-3 (``fp32_partitioned_groups_flat[i].grad``). At the boundary it copies in the gradient of
+each parameter that got one this window; a parameter that got none (a branch not taken, a
+submodule used on some steps only) keeps whatever its slot held: the gradient of the last window
+that reached it. The update then applies that stale gradient again, where PyTorch (and DeepSpeed
+without offload) applies none. Upstream too (0.19.8: one ZeRO-2 engine, an input submodule used
+on odd steps only, error 6.3e-2 against plain PyTorch; found by the fuzzer's offload draws, seeds
+800183, 800190, 800388 at ZeRO-1/2, 810098 at ZeRO-3).
+
+After DeepSpeed's end-of-step buffer reset (``reset_cpu_buffers``, run by a completed and by an
+overflow-skipped ``step()`` alike, at ZeRO-1/2 after it has waited for the pending copies), the
+buffers are zeroed, so the next window starts from zeros as the non-offload path does. Buffers
+swapped out to NVMe are not DeepSpeed's reused CPU buffers and are left alone. A slot that gets a
+gradient is overwritten by DeepSpeed's copy as before: results are DeepSpeed's bits wherever
+DeepSpeed is right. A correctness fix, installed on every supported release.
+"""
+from __future__ import annotations
+
+from .. import compat
+
+FEATURE = "offload_grads"
+_RESET = "reset_cpu_buffers"
+
+
+def reset_cpu_buffers(self):
+    """DeepSpeed's reset, then the offloaded gradient buffers zeroed (see the Note)."""
+    compat.original(self, _RESET)()
+    groups = getattr(self, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+    if groups is None:  # ZeRO-3
+        groups = self.fp32_partitioned_groups_flat
+    for group in groups:
+        if group.grad is not None:
+            group.grad.zero_()
+    for buffer in getattr(self, "accumulated_grads_in_cpu", {}).values():
+        buffer.zero_()
+
+
+def applies(optimizer) -> bool:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return bool(getattr(optimizer, "cpu_offload", False))
+    return isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and bool(getattr(optimizer, "offload_optimizer", False))
+
+
+def install(optimizer) -> bool:
+    """Zero the offloaded gradient buffers after every step (see the Note); return whether needed."""
+    if not applies(optimizer):
+        return False
+    compat.replace_method(optimizer, _RESET, reset_cpu_buffers, FEATURE)
+    return True
