@@ -198,9 +198,9 @@ def main():
     print(f"\nOne training step after 2 warm-up steps, 2 ranks on {B.device().type}, max over ranks\n")
     print(table)
     eight = {r["variant"]: r["collectives"] for r in rows
-             if r["workload"] == "towers chained" and r["n"] == 8 and r["stages"] in ("alt",)}
-    if eight:
-        print("RESULT " + " ".join(f"collectives_chain8_{k.replace('-', '_')}={v}" for k, v in eight.items()))
+             if r["workload"] == "towers chained" and r["n"] == 8 and r["stages"] == "alt"}
+    result = "RESULT " + " ".join(f"collectives_chain8_{k.replace('-', '_')}={v}" for k, v in eight.items())
+    print(result)
 
     def plot(plt):
         fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
@@ -220,7 +220,7 @@ def main():
         axes[0].legend(fontsize=7)
         return fig
 
-    B.save("counts", {"meta": B.meta(), "rows": rows}, plot)
+    B.save("counts", {"meta": B.meta(), "rows": rows, "table": table, "result": result}, plot)
 
 
 if __name__ == "__main__":

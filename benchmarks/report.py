@@ -40,6 +40,14 @@ SECTIONS = [
      "Step time as the number of engines under one loss grows (chained and parallel), and as the parameter "
      "count of an encoder -> LLM pair grows from about 1e5 to 1e8, each beside one upstream ZeRO-3 engine "
      "holding the same modules."),
+    ("counts", "What one step issues: collectives, operators, host syncs",
+     "Hardware-independent cost of one step (counted, not timed; max over 2 ranks): collectives by kind with the "
+     "bytes of their buffers, operators dispatched and host syncs (`.item()`-like), for ours (N engines, one "
+     "`loss.backward()`), upstream (N `deepspeed.initialize` engines, one `loss.backward()`; RLHF: one "
+     "`engine.backward` per trained engine) and the super-module (the N towers in one upstream ZeRO-3 engine), "
+     "on growth.py's towers (N = 1..16, chained and parallel, the engines ZeRO-2/3 alternating, all ZeRO-2 or all "
+     "ZeRO-3) and rlhf_step.py's step. Store meetings: our ranks' rendezvous before an engine's collectives "
+     "(`agree_before_collectives`, gloo only), round trips the dispatcher does not see."),
     ("dpo_roles", "TRL DPO: the reference at its own ZeRO stage",
      "One `trl.DPOTrainer` step on a Llama built from a config: `multi_engine_trainer(DPOTrainer)` with the policy "
      "at ZeRO-2 and the reference at ZeRO-3 (`deepspeed_roles`), against the policy at ZeRO-3 (same reference) and "
