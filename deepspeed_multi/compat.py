@@ -248,14 +248,26 @@ def _gather_waiting_each(original):
     return gather
 
 
-# ZeRO-2 with contiguous_gradients=false gives wrong gradients on 0.19.4 (measured, upstream too:
-# max error 4e-2 against plain PyTorch, single engine, gas 1 and 2); right on 0.19.8; 0.19.5-0.19.7
-# not measured. Refused below this release (config.prepare_engine_config).
-NONCONTIGUOUS_ZERO2_FROM = (0, 19, 8)
+# ZeRO-1/2 with contiguous_gradients=false gives wrong gradients on 0.19.4 (measured, upstream too:
+# max error 4e-2 against plain PyTorch, single engine, gas 1 and 2, at both stages); right on
+# 0.19.8; 0.19.5-0.19.7 not measured. Refused below this release (config.prepare_engine_config).
+NONCONTIGUOUS_ZERO12_FROM = (0, 19, 8)
 
 
-def noncontiguous_zero2_ok(version: Optional[str] = None) -> bool:
-    return _version_tuple(version or installed_version())[:3] >= NONCONTIGUOUS_ZERO2_FROM
+def noncontiguous_zero12_ok(version: Optional[str] = None) -> bool:
+    return _version_tuple(version or installed_version())[:3] >= NONCONTIGUOUS_ZERO12_FROM
+
+
+# CPU offload (offload_optimizer / offload_param) under unmanaged accumulation, which every
+# MultiEngine uses: DeepSpeed 0.19.4 refuses it ("managed_gradient_accumulation=False is not
+# supported with ZeRO optimizer state offload"); 0.19.5 accepts it; 0.19.8 is measured exact (the
+# knob-offload-* rows, the fuzzer, with zero/offload_grads.py); 0.19.5-0.19.7 not measured.
+# Refused below this release (config.prepare_engine_config).
+OFFLOAD_FROM = (0, 19, 8)
+
+
+def offload_ok(version: Optional[str] = None) -> bool:
+    return _version_tuple(version or installed_version())[:3] >= OFFLOAD_FROM
 
 
 def combine_grad_norm_groups(norm_groups):

@@ -171,7 +171,7 @@ def _draw_knobs(rng, stage, profile) -> dict:
     top, zero = {}, {}
     if stage >= 1:
         zero.update(contiguous_gradients=rng.random() < 0.5, reduce_scatter=rng.random() < 0.5)
-        if stage == 2 and not compat.noncontiguous_zero2_ok():  # refused there (deepspeed_multi/config.py)
+        if not compat.noncontiguous_zero12_ok():  # refused there (deepspeed_multi/config.py)
             zero["contiguous_gradients"] = True
     if stage >= 2:  # refused at ZeRO-1 (docs/limits.md)
         zero["overlap_comm"] = rng.random() < 0.5
@@ -193,7 +193,7 @@ def _draw_more_knobs(rng, engine, profile):
     """CPU offload and 16-bit data types, from a stream of their own (so the knobs above, and every
     recorded knob seed's program, stay as they were): added to ``engine["knobs"]``."""
     top, zero, stage = engine["knobs"]["top"], engine["knobs"]["zero"], engine["stage"]
-    if stage >= 1 and engine["trains"] and rng.random() < 0.3:
+    if stage >= 1 and engine["trains"] and rng.random() < 0.3 and compat.offload_ok():  # refused before 0.19.8
         zero["offload_optimizer"] = {"device": "cpu"}
         top["zero_force_ds_cpu_optimizer"] = False  # the fuzzer's SGD, not DeepSpeedCPUAdam
         if stage == 3 and rng.random() < 0.5:

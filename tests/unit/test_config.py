@@ -36,12 +36,25 @@ def test_round_robin_with_16bit_refused_with_fix(stage, dtype):
     prepare_engine_config(ok)
 
 
-def test_noncontiguous_zero2_refused_on_releases_that_get_it_wrong(monkeypatch):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_noncontiguous_zero12_refused_on_releases_that_get_it_wrong(monkeypatch, stage):
     from deepspeed_multi import compat
-    cfg = {"zero_optimization": {"stage": 2, "contiguous_gradients": False}}
+    cfg = {"zero_optimization": {"stage": stage, "contiguous_gradients": False}}
     monkeypatch.setattr(compat, "installed_version", lambda: "0.19.4")
-    with pytest.raises(ValueError, match="contiguous_gradients=false at ZeRO stage 2.*0.19.4.*contiguous_gradients true"):
+    with pytest.raises(ValueError, match=f"contiguous_gradients=false at ZeRO stage {stage}.*0.19.4.*contiguous_gradients true"):
         prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.19.8")
+    prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_offload_refused_on_releases_before_the_measured_one(monkeypatch, key):
+    from deepspeed_multi import compat
+    cfg = {"zero_optimization": {"stage": 3, key: {"device": "cpu"}}}
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.19.4")
+    with pytest.raises(ValueError, match=f"{key} .*needs DeepSpeed 0.19.8 here, found 0.19.4.*remove the offload"):
+        prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
+    prepare_engine_config({"zero_optimization": {"stage": 3, key: {"device": "none"}}})  # "none" is no offload
     monkeypatch.setattr(compat, "installed_version", lambda: "0.19.8")
     prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
 
