@@ -126,19 +126,7 @@ def _tower_variants(n, wiring, stages):
     def engines_step(init):
         engines = [B.build_engine(init, copy.deepcopy(t), B.ds_config(_stage(stages, k)))
                    for k, t in enumerate(towers)]
-
-        def step(i):
-            x, y = growth._batch(i, shape, dev)
-            if wiring == "chained":
-                for e in engines:
-                    x = e(x)
-                outs = x
-            else:
-                outs = [e(x) for e in engines]
-            growth._loss(outs, y).backward()
-            for e in engines:
-                e.step()
-        return step
+        return growth.towers_step(engines, wiring, shape)
 
     def super_step():
         whole = B.build_engine(deepspeed.initialize, (B.Chain if wiring == "chained" else growth.Parallel)(

@@ -67,7 +67,19 @@ def _engine_count_variants(n, wiring):
     upstream = B.build_engine(deepspeed.initialize, whole, B.ds_config(3))
     shape = (MICRO_BS, SEQ, D_ENGINE)
 
-    def ours(i):
+    def super_module(i):
+        x, y = _batch(i, shape, dev)
+        upstream.backward(_loss(upstream(x), y))
+        upstream.step()
+
+    return {"ours": towers_step(engines, wiring, shape), "super-module": super_module}, sum(B.n_params(t) for t in towers)
+
+
+def towers_step(engines, wiring, shape):
+    """One training step of ``engines`` wired ``chained`` or ``parallel`` under one ``loss.backward()``."""
+    dev = B.device()
+
+    def step(i):
         x, y = _batch(i, shape, dev)
         if wiring == "chained":
             for e in engines:
@@ -78,13 +90,7 @@ def _engine_count_variants(n, wiring):
         _loss(outs, y).backward()
         for e in engines:
             e.step()
-
-    def super_module(i):
-        x, y = _batch(i, shape, dev)
-        upstream.backward(_loss(upstream(x), y))
-        upstream.step()
-
-    return {"ours": ours, "super-module": super_module}, sum(B.n_params(t) for t in towers)
+    return step
 
 
 def _param_count_variants(d):
