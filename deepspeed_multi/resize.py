@@ -25,6 +25,8 @@ of ranks decides what a resume on M ranks of a save on N does:
 
 The converted directory starts with '.', holds no manifest, and is never taken for a checkpoint;
 a conversion killed half-way leaves ``.<tag>.universal.<digest>.converting``, redone next time.
+Every rank reads the converted files rank 0 wrote, so ``load_dir`` must be on a filesystem all
+ranks share (as a multi-node DeepSpeed checkpoint already is in practice).
 """
 import argparse
 import contextlib
