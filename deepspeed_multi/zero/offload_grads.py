@@ -27,30 +27,41 @@ FEATURE = "offload_grads"
 _RESET = "reset_cpu_buffers"
 
 
-def reset_cpu_buffers(self):
-    """DeepSpeed's reset, then the offloaded gradient buffers zeroed (see the Note)."""
+def reset_cpu_buffers_zero12(self):
+    """DeepSpeed's reset, then ZeRO-1/2's offloaded gradient buffers zeroed (see the Note)."""
     compat.original(self, _RESET)()
-    groups = getattr(self, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
-    if groups is None:  # ZeRO-3
-        groups = self.fp32_partitioned_groups_flat
-    for group in groups:
-        if group.grad is not None:
-            group.grad.zero_()
-    for buffer in getattr(self, "accumulated_grads_in_cpu", {}).values():
+    _zero_grads(self.single_partition_of_fp32_groups)
+    for buffer in self.accumulated_grads_in_cpu.values():
         buffer.zero_()
 
 
-def applies(optimizer) -> bool:
+def reset_cpu_buffers_zero3(self):
+    """DeepSpeed's reset, then ZeRO-3's offloaded gradient buffers zeroed (see the Note)."""
+    compat.original(self, _RESET)()
+    _zero_grads(self.fp32_partitioned_groups_flat)
+
+
+def _zero_grads(flat_groups):
+    for group in flat_groups:
+        if group.grad is not None:  # None: swapped out to NVMe
+            group.grad.zero_()
+
+
+def _replacement(optimizer):
+    """The reset for ``optimizer``'s stage when it offloads its optimizer states, else None."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    if isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return bool(getattr(optimizer, "cpu_offload", False))
-    return isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and bool(getattr(optimizer, "offload_optimizer", False))
+    if isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.cpu_offload:
+        return reset_cpu_buffers_zero12
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and optimizer.offload_optimizer:
+        return reset_cpu_buffers_zero3
+    return None
 
 
 def install(optimizer) -> bool:
     """Zero the offloaded gradient buffers after every step (see the Note); return whether needed."""
-    if not applies(optimizer):
+    replacement = _replacement(optimizer)
+    if replacement is None:
         return False
-    compat.replace_method(optimizer, _RESET, reset_cpu_buffers, FEATURE)
+    compat.replace_method(optimizer, _RESET, replacement, FEATURE)
     return True
