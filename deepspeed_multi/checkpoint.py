@@ -203,6 +203,8 @@ def load_checkpoint(load_dir, engines, tag=None):
     bad = _checksums(path, expected=manifest["files"])
     _raise_if_any(f"deepspeed_multi.load_checkpoint: {path} is damaged: {bad}" if bad else None)
     resized = manifest["world_size"] != world  # see [Note: resuming at another world size]
+    if resized:
+        _warn_resized(path, manifest, engines, world)
     converted = _convert_for(load_dir, path, manifest, engines) if resized else {}
     for name, engine in engines.items():
         record = manifest["engines"][name]
@@ -229,12 +231,7 @@ def load_checkpoint(load_dir, engines, tag=None):
         if record["loss_scale"] is not None and float(engine._get_optimizer_loss_scale()) != record["loss_scale"]:
             raise RuntimeError(f"deepspeed_multi.load_checkpoint: engine {name!r}: loss scale "
                                f"{engine._get_optimizer_loss_scale()} after loading, {record['loss_scale']} saved.")
-    if resized:
-        if rank == 0:
-            logger.warning("deepspeed_multi.load_checkpoint: %s was saved by %d ranks, this job has %d: the engines' "
-                           "states are re-partitioned, but the RNG states (one per saved rank) are not restored.",
-                           path, manifest["world_size"], world)
-    else:
+    if not resized:
         _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=False))
     client_state = torch.load(os.path.join(path, "client_state.pt"), weights_only=False)
     if parted:
@@ -246,14 +243,23 @@ def load_checkpoint(load_dir, engines, tag=None):
     return client_state
 
 
+def _warn_resized(path, manifest, engines, world):
+    """What a resume on another number of ranks does not carry over (rank 0 says it)."""
+    if dist.get_rank() != 0:
+        return
+    logger.warning("deepspeed_multi.load_checkpoint: %s was saved by %d ranks, this job has %d: the engines' states "
+                   "are re-partitioned, but the RNG states (one per saved rank) are not restored.", path,
+                   manifest["world_size"], world)
+    for name, e in engines.items():
+        saved = manifest["engines"][name].get("train_batch_size")
+        if saved is not None and saved != e.train_batch_size():
+            logger.warning("deepspeed_multi.load_checkpoint: engine %r was saved with train_batch_size %d, resumes with "
+                           "%d: the resumed run is not the uninterrupted one.", name, saved, e.train_batch_size())
+
+
 def _convert_for(load_dir, path, manifest, engines):
     """{engine name: root of its universal form} for the trained engines whose optimizer state was
     saved in slices for the saved world size; rank 0 converts, every rank waits for it."""
-    for name, e in engines.items():
-        saved = manifest["engines"][name].get("train_batch_size")
-        if dist.get_rank() == 0 and saved is not None and saved != e.train_batch_size():
-            logger.warning("deepspeed_multi.load_checkpoint: engine %r was saved with train_batch_size %d, resumes with "
-                           "%d: the resumed run is not the uninterrupted one.", name, saved, e.train_batch_size())
     names = [n for n, e in engines.items() if e.has_optimizer and resize.partitioned(os.path.join(path, n))]
     if not names:
         return {}
