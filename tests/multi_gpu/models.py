@@ -127,8 +127,8 @@ class EmbBody(nn.Module):
 class MoEMLP(MLP):
     """An MLP with a DeepSpeed MoE layer (2 experts, top-1, expert-parallel size 1) between its
     layers; deterministic routing (no random token selection; capacity factor 2 = the number of
-    experts, so no token is dropped), and the
-    gate's auxiliary loss added to the output so that the gate trains through both."""
+    experts, so no token is dropped), and the gate's auxiliary loss added to the output so that
+    the gate trains through both."""
 
     def __init__(self, seed=0, aux_weight=0.01):
         super().__init__(seed=seed)
