@@ -22,7 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -33,10 +33,11 @@
 #ifdef DSM_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-// Defined in fused_reduce_cuda.cu; returns a cudaError_t value (0 = success).
-int dsm_cuda_scale_segments(int in_code, int out_code, bool accumulate, const void* const* src,
-                            void* const* dst, const int64_t* numel, int64_t count, float scale,
-                            float* flag, void* stream);
+// Defined in fused_reduce_cuda.cu; returns a cudaError_t value (0 = success). `table` is the
+// device copy of a dsm::TensorTable<2> (multi_tensor_apply.cuh): src and dst pointers, numel,
+// first chunk, as int64 words.
+int dsm_cuda_scale_table(int in_code, int out_code, bool accumulate, const int64_t* table, int64_t count,
+                         int64_t chunks, int64_t chunk_size, float scale, float* flag, void* stream);
 #endif
 
 namespace py = pybind11;
@@ -377,27 +378,40 @@ float run_cpu(const Plan& plan, float scale, bool accumulate) {
 }
 
 #ifdef DSM_WITH_CUDA
+constexpr int64_t kCudaChunk = 16384;  // elements per CUDA block and step of the grid
+
 at::Tensor run_cuda(const Plan& plan, float scale, bool accumulate, const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor flag = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
-  // One launch sequence per (src dtype, dst dtype) pair present.
-  for (int in_code = 0; in_code < kNumCodes; ++in_code) {
-    for (int out_code = 0; out_code < kNumCodes; ++out_code) {
-      std::vector<const void*> src;
-      std::vector<void*> dst;
-      std::vector<int64_t> numel;
-      for (const Segment& s : plan.segments) {
-        if (s.in_code != in_code || s.out_code != out_code) continue;
-        src.push_back(s.src);
-        dst.push_back(s.dst);
-        numel.push_back(s.numel);
-      }
-      if (src.empty()) continue;
-      const int err = dsm_cuda_scale_segments(in_code, out_code, accumulate, src.data(), dst.data(),
-                                              numel.data(), static_cast<int64_t>(src.size()), scale,
-                                              flag.data_ptr<float>(), stream);
-      TORCH_CHECK(err == 0, "deepspeed_multi fused_reduce: CUDA kernel launch failed with cudaError ", err);
+  int64_t per_pair[kNumCodes * kNumCodes] = {};
+  for (const Segment& s : plan.segments) ++per_pair[s.in_code * kNumCodes + s.out_code];
+  // One table and one launch per (src dtype, dst dtype) pair present ([Note: the tensor table]).
+  for (int pair = 0; pair < kNumCodes * kNumCodes; ++pair) {
+    const int64_t count = per_pair[pair];
+    if (count == 0) continue;
+    const int in_code = pair / kNumCodes, out_code = pair % kNumCodes;
+    // Pinned, so that the copy below is asynchronous; the caching host allocator keeps the block
+    // until that copy has run (non_blocking records an event on the stream).
+    at::Tensor host = at::empty({4 * count + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    int64_t* words = host.data_ptr<int64_t>();
+    int64_t* first = words + 3 * count;
+    int64_t k = 0;
+    first[0] = 0;
+    for (const Segment& s : plan.segments) {
+      if (s.in_code != in_code || s.out_code != out_code) continue;
+      words[k] = reinterpret_cast<int64_t>(s.src);
+      words[count + k] = reinterpret_cast<int64_t>(s.dst);
+      words[2 * count + k] = s.numel;
+      first[k + 1] = first[k] + (s.numel + kCudaChunk - 1) / kCudaChunk;
+      ++k;
+    }
+    const at::Tensor table = host.to(device, /*non_blocking=*/true);  // TensorTable<2>: 4 * count + 1 words
+    const int err = dsm_cuda_scale_table(in_code, out_code, accumulate, table.data_ptr<int64_t>(), count,
+                                         first[count], kCudaChunk, scale, flag.data_ptr<float>(), stream);
+    if (err != 0) {  // not TORCH_CHECK: its message is formatted with iostreams (see ints_str)
+      throw std::runtime_error("deepspeed_multi fused_reduce: CUDA kernel launch failed with cudaError " +
+                               std::to_string(err));
     }
   }
   return flag;
@@ -438,11 +452,18 @@ struct Arg {
   std::string str() const { return index < 0 ? base : std::string(base) + "[" + std::to_string(index) + "]"; }
 };
 
+// "[3, 2]", as torch prints sizes. Messages are built from std::string alone: no iostreams in this
+// extension, whose stream code can differ from torch's where the host compiler does (an error path
+// that printed sizes through std::ostream crashed with g++ 13 against torch 2.11+cu130).
+std::string ints_str(at::IntArrayRef v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
 std::string describe(const Arg& name, const at::Tensor& t) {
-  std::ostringstream os;
-  os << name.str() << " (shape " << t.sizes() << ", dtype " << dtype_name(t.scalar_type()) << ", device "
-     << t.device() << ")";
-  return os.str();
+  return name.str() + " (shape " + ints_str(t.sizes()) + ", dtype " + dtype_name(t.scalar_type()) + ", device " +
+         t.device().str() + ")";
 }
 
 int checked_code(const char* op, const Arg& name, const at::Tensor& t) {
@@ -519,11 +540,10 @@ at::Tensor unpack_accumulate(const at::Tensor& src, const std::vector<at::Tensor
     const int out_code = checked_code(op, name, t);
     check_device(op, name, t, "src", src.device());
     if (!t.is_contiguous()) {
-      std::ostringstream os;
-      os << op << ": " << describe(name, t) << " is not contiguous (strides " << t.strides()
-         << "); it is written in place, so pass a contiguous tensor (e.g. make the gradient partition "
-            "contiguous, or unpack into a contiguous buffer and copy_ it back)";
-      throw py::value_error(os.str());
+      throw py::value_error(std::string(op) + ": " + describe(name, t) + " is not contiguous (strides " +
+                            ints_str(t.strides()) +
+                            "); it is written in place, so pass a contiguous tensor (e.g. make the gradient "
+                            "partition contiguous, or unpack into a contiguous buffer and copy_ it back)");
     }
     check_fits(op, name, t, plan.total(), "src", src.numel());
     plan.add(base + plan.total() * src.element_size(), in_code, t.data_ptr(), out_code, t.numel());
