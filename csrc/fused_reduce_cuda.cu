@@ -2,7 +2,7 @@
 //
 // Plain CUDA with a raw-pointer entry point, no torch headers: fused_reduce.cpp (built with
 // -DDSM_WITH_CUDA) does the ATen glue (argument checks, current stream, flag tensor) and calls
-// dsm_cuda_scale_segments once per (src dtype, dst dtype) pair. This file therefore compiles
+// dsm_cuda_scale_table once per (src dtype, dst dtype) pair. This file therefore compiles
 // with `nvcc -std=c++17 -c` even against a CPU-only torch install.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,6 +40,9 @@ struct F16 {
 // matching the CPU kernel and the reference bit for bit.
 template <class In, class Out, bool Acc>
 struct ScaleFunctor {
+  // Elements per thread and step: 16 bytes of the narrower side (8 for a 16-bit side, 4 for fp32).
+  static constexpr int kIlp = 16 / (sizeof(typename In::T) < sizeof(typename Out::T) ? sizeof(typename In::T)
+                                                                                        : sizeof(typename Out::T));
   float scale;
 
   __device__ bool operator()(void* const* ptrs, int64_t start, int64_t n) const {
@@ -47,7 +50,7 @@ struct ScaleFunctor {
     typename Out::T* dst = static_cast<typename Out::T*>(ptrs[1]) + start;
     bool bad = false;
     const float s = scale;
-    block_for_each<4, Acc>(src, dst, n, [&](const typename In::T& x, typename Out::T& y) {
+    block_for_each<kIlp, Acc>(src, dst, n, [&](const typename In::T& x, typename Out::T& y) {
       float v = __fmul_rn(In::load(x), s);
       if (Acc) v = __fadd_rn(Out::load(y), v);
       y = Out::store(v);
@@ -58,24 +61,25 @@ struct ScaleFunctor {
 };
 
 template <class In, class Out, bool Acc>
-cudaError_t launch(const TensorRef<2>* refs, int64_t count, float scale, float* flag, cudaStream_t stream) {
-  return multi_tensor_apply<2>(refs, count, kChunkSize, flag, stream, ScaleFunctor<In, Out, Acc>{scale});
+cudaError_t launch(const int64_t* table, int64_t count, int64_t chunks, int64_t chunk_size, float scale, float* flag,
+                   cudaStream_t stream) {
+  return multi_tensor_apply<2>(table, count, chunks, chunk_size, flag, stream, ScaleFunctor<In, Out, Acc>{scale});
 }
 
 template <class In, class Out>
-cudaError_t launch_acc(bool accumulate, const TensorRef<2>* refs, int64_t count, float scale, float* flag,
-                       cudaStream_t stream) {
-  return accumulate ? launch<In, Out, true>(refs, count, scale, flag, stream)
-                    : launch<In, Out, false>(refs, count, scale, flag, stream);
+cudaError_t launch_acc(bool accumulate, const int64_t* table, int64_t count, int64_t chunks, int64_t chunk_size,
+                       float scale, float* flag, cudaStream_t stream) {
+  return accumulate ? launch<In, Out, true>(table, count, chunks, chunk_size, scale, flag, stream)
+                    : launch<In, Out, false>(table, count, chunks, chunk_size, scale, flag, stream);
 }
 
 template <class In>
-cudaError_t launch_out(int out_code, bool accumulate, const TensorRef<2>* refs, int64_t count, float scale,
-                       float* flag, cudaStream_t stream) {
+cudaError_t launch_out(int out_code, bool accumulate, const int64_t* table, int64_t count, int64_t chunks,
+                       int64_t chunk_size, float scale, float* flag, cudaStream_t stream) {
   switch (out_code) {
-    case 0: return launch_acc<In, F32>(accumulate, refs, count, scale, flag, stream);
-    case 1: return launch_acc<In, BF16>(accumulate, refs, count, scale, flag, stream);
-    default: return launch_acc<In, F16>(accumulate, refs, count, scale, flag, stream);
+    case 0: return launch_acc<In, F32>(accumulate, table, count, chunks, chunk_size, scale, flag, stream);
+    case 1: return launch_acc<In, BF16>(accumulate, table, count, chunks, chunk_size, scale, flag, stream);
+    default: return launch_acc<In, F16>(accumulate, table, count, chunks, chunk_size, scale, flag, stream);
   }
 }
 
@@ -83,22 +87,19 @@ cudaError_t launch_out(int out_code, bool accumulate, const TensorRef<2>* refs, 
 }  // namespace dsm
 
 // dtype codes: 0 = float32, 1 = bfloat16, 2 = float16 (as in fused_reduce.cpp).
-// Segment i reads numel[i] elements at src[i] and writes them at dst[i]. `stream` is a
-// cudaStream_t; `flag` a device float set to 1.0f when a written value is inf/nan.
-// Returns a cudaError_t value (0 = success).
-int dsm_cuda_scale_segments(int in_code, int out_code, bool accumulate, const void* const* src,
-                            void* const* dst, const int64_t* numel, int64_t count, float scale,
-                            float* flag, void* stream) {
+// `table` is a device-side dsm::TensorTable<2> of `count` segments (source pointer, destination
+// pointer, numel, first chunk; see multi_tensor_apply.cuh) holding `chunks` chunks of
+// `chunk_size` elements. `stream` is a cudaStream_t; `flag` a device float set to 1.0f when a
+// written value is inf/nan. Returns a cudaError_t value (0 = success).
+int dsm_cuda_scale_table(int in_code, int out_code, bool accumulate, const int64_t* table, int64_t count,
+                         int64_t chunks, int64_t chunk_size, float scale, float* flag, void* stream) {
   using namespace dsm;
-  TensorRef<2>* refs = new TensorRef<2>[count > 0 ? count : 1];
-  for (int64_t i = 0; i < count; ++i) refs[i] = {{const_cast<void*>(src[i]), dst[i]}, numel[i]};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err;
   switch (in_code) {
-    case 0: err = launch_out<F32>(out_code, accumulate, refs, count, scale, flag, s); break;
-    case 1: err = launch_out<BF16>(out_code, accumulate, refs, count, scale, flag, s); break;
-    default: err = launch_out<F16>(out_code, accumulate, refs, count, scale, flag, s); break;
+    case 0: err = launch_out<F32>(out_code, accumulate, table, count, chunks, chunk_size, scale, flag, s); break;
+    case 1: err = launch_out<BF16>(out_code, accumulate, table, count, chunks, chunk_size, scale, flag, s); break;
+    default: err = launch_out<F16>(out_code, accumulate, table, count, chunks, chunk_size, scale, flag, s); break;
   }
-  delete[] refs;
   return static_cast<int>(err);
 }

@@ -1,12 +1,20 @@
-// Generic multi-tensor launcher in the spirit of NVIDIA apex's multi_tensor_apply.
+// Generic multi-tensor launcher in the spirit of NVIDIA apex's multi_tensor_apply, with the
+// tensor list in device memory instead of in the kernel's arguments.
 //
 // Plain CUDA, no torch headers: tensors are passed as raw pointers, so this header (and the
 // kernels built on it) compile with nvcc alone. Each tensor is cut into chunks of
-// `chunk_size` elements; one CUDA block processes one chunk. The kernel argument carries
-// the pointers of up to kMaxTensors tensors and the (tensor, chunk) of up to kMaxBlocks
-// blocks, so one launch covers many tensors; a tensor that does not fit is continued in
-// the next launch. The functor returns true if it saw a non-finite value, which the kernel
-// reports by writing 1.0f to a device flag (never cleared, so launches accumulate).
+// `chunk_size` elements and one CUDA block processes one chunk (grid-stride over all chunks).
+//
+// [Note: the tensor table]
+// apex passes up to a few dozen tensor pointers by value in each launch, so a bucket of 4,096
+// gradients costs about a hundred launches of a 4 KB argument block, and on an H100 that launch
+// cost, not memory, was the whole time of the op (0.03-0.10 of a plain copy of the same bytes).
+// Here the host writes one table for the whole list (see TensorTable) into pinned memory, it goes
+// to the device in one asynchronous copy on the op's stream, and ONE launch covers every chunk of
+// every tensor: a block finds its tensor by binary search in the table's chunk prefix.
+//
+// The functor returns true if it saw a non-finite value, which the kernel reports by writing
+// 1.0f to a device flag (never cleared, so launches accumulate).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,62 +23,68 @@
 
 namespace dsm {
 
-// Sized so that TensorListMeta<2> stays under the classic 4 KB kernel-parameter limit.
-constexpr int kMaxTensors = 64;
-constexpr int kMaxBlocks = 320;
-constexpr int kBlockThreads = 512;
-constexpr int64_t kChunkSize = 65536;
+constexpr int kBlockThreads = 256;
+constexpr int64_t kMaxGrid = int64_t{1} << 20;  // blocks per launch; more chunks are strided over
 
+// The table of `count` tensors, Depth pointers each: int64 words, laid out as
+//   ptr[0][0..count) ... ptr[Depth-1][0..count)  numel[0..count)  first_chunk[0..count]
+// where first_chunk is the prefix sum of ceil(numel / chunk_size) (first_chunk[count] = chunks).
+// Every numel must be > 0, so first_chunk is strictly increasing.
 template <int Depth>
-struct TensorListMeta {
-  void* addresses[Depth][kMaxTensors];
-  int64_t sizes[kMaxTensors];
-  unsigned char block_to_tensor[kMaxBlocks];
-  int block_to_chunk[kMaxBlocks];
-};
-
-// One tensor on the host side: its Depth pointers (e.g. source and destination) and numel.
-template <int Depth>
-struct TensorRef {
-  void* ptr[Depth];
-  int64_t numel;
+struct TensorTable {
+  static constexpr int64_t words(int64_t count) { return (Depth + 2) * count + 1; }
 };
 
 template <int Depth, class Functor>
 __global__ void __launch_bounds__(kBlockThreads)
-    multi_tensor_kernel(int64_t chunk_size, TensorListMeta<Depth> meta, float* nonfinite_flag, Functor op) {
-  const int t = meta.block_to_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * chunk_size;
-  const int64_t remaining = meta.sizes[t] - start;
-  const int64_t n = remaining < chunk_size ? remaining : chunk_size;
-  void* ptrs[Depth];
+    multi_tensor_table_kernel(const int64_t* __restrict__ table, int64_t count, int64_t chunks, int64_t chunk_size,
+                              float* nonfinite_flag, Functor op) {
+  const int64_t* numel = table + Depth * count;
+  const int64_t* first = numel + count;
+  for (int64_t b = blockIdx.x; b < chunks; b += gridDim.x) {
+    int64_t lo = 0, hi = count - 1;  // the tensor t with first[t] <= b < first[t + 1]
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (first[mid] <= b) lo = mid; else hi = mid - 1;
+    }
+    const int64_t start = (b - first[lo]) * chunk_size;
+    const int64_t left = numel[lo] - start;
+    void* ptrs[Depth];
 #pragma unroll
-  for (int d = 0; d < Depth; ++d) ptrs[d] = meta.addresses[d][t];
-  if (op(ptrs, start, n)) *nonfinite_flag = 1.0f;  // benign race: every writer stores 1.0f
+    for (int d = 0; d < Depth; ++d) ptrs[d] = reinterpret_cast<void*>(table[d * count + lo]);
+    if (op(ptrs, start, left < chunk_size ? left : chunk_size)) *nonfinite_flag = 1.0f;  // benign race
+  }
 }
 
-// True if p is aligned for a vector of `ilp` elements of T.
-template <class T>
-__device__ __forceinline__ bool is_aligned(const T* p, int ilp) {
-  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * ilp) == 0;
-}
-
-// Vector of ILP elements, loaded/stored in one aligned transaction.
+// Bytes one vectorized access moves: 16 (one 128-bit load or store), less where ILP elements are fewer.
 template <class T, int ILP>
-struct alignas(sizeof(T) * ILP) Pack {
+__host__ __device__ constexpr int vector_bytes() {
+  return sizeof(T) * ILP < 16 ? sizeof(T) * ILP : 16;
+}
+
+template <class T, int ILP>
+__device__ __forceinline__ bool is_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % vector_bytes<T, ILP>() == 0;
+}
+
+// ILP elements of T, loaded/stored as 16-byte (or smaller) aligned vectors.
+template <class T, int ILP>
+struct alignas(vector_bytes<T, ILP>()) Pack {
   T v[ILP];
 };
 
-// Apply `f(const In&, Out&)` element-wise over n elements of one chunk with the whole block:
-// an aligned, vectorized body of ILP elements per thread and step when both pointers allow
-// it, then a guarded scalar tail (also the whole loop when the pointers are misaligned).
-// ReadDst = false skips loading dst in the vectorized body (for ops that only write it).
+// Apply `f(const In&, Out&)` element-wise over n elements of one chunk with the whole block.
+// Both pointers aligned: each thread moves ILP elements per step as vectors, then a guarded
+// scalar tail. Otherwise (a tensor at an odd offset of a bucket, where the two sides are
+// aligned differently): each thread still keeps ILP independent loads in flight, at strided
+// indices so that every load instruction is coalesced across the block.
+// ReadDst = false skips loading dst (for ops that only write it).
 template <int ILP, bool ReadDst, class In, class Out, class F>
 __device__ __forceinline__ void block_for_each(const In* src, Out* dst, int64_t n, F f) {
-  int64_t vec_end = 0;
-  if (is_aligned(src, ILP) && is_aligned(dst, ILP)) {
-    vec_end = n - n % ILP;
-    for (int64_t i = static_cast<int64_t>(threadIdx.x) * ILP; i < vec_end; i += static_cast<int64_t>(blockDim.x) * ILP) {
+  const int64_t threads = blockDim.x;
+  if (is_aligned<In, ILP>(src) && is_aligned<Out, ILP>(dst)) {
+    const int64_t vec_end = n - n % ILP;
+    for (int64_t i = threadIdx.x * int64_t{ILP}; i < vec_end; i += threads * ILP) {
       Pack<In, ILP> a = *reinterpret_cast<const Pack<In, ILP>*>(src + i);
       Pack<Out, ILP> b;
       if (ReadDst) b = *reinterpret_cast<Pack<Out, ILP>*>(dst + i);
@@ -78,48 +92,41 @@ __device__ __forceinline__ void block_for_each(const In* src, Out* dst, int64_t 
       for (int j = 0; j < ILP; ++j) f(a.v[j], b.v[j]);
       *reinterpret_cast<Pack<Out, ILP>*>(dst + i) = b;
     }
+    for (int64_t i = vec_end + threadIdx.x; i < n; i += threads) f(src[i], dst[i]);
+    return;
   }
-  for (int64_t i = vec_end + threadIdx.x; i < n; i += blockDim.x) f(src[i], dst[i]);
-}
-
-// Launch `op` over all tensors; returns the first CUDA error (cudaSuccess if none).
-template <int Depth, class Functor>
-cudaError_t multi_tensor_apply(const TensorRef<Depth>* tensors, int64_t count, int64_t chunk_size,
-                               float* nonfinite_flag, cudaStream_t stream, Functor op) {
-  TensorListMeta<Depth> meta;
-  int loc_tensor = 0;
-  int loc_block = 0;
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t numel = tensors[t].numel;
-    if (numel == 0) continue;
-    meta.sizes[loc_tensor] = numel;
-    for (int d = 0; d < Depth; ++d) meta.addresses[d][loc_tensor] = tensors[t].ptr[d];
-    ++loc_tensor;
-    const int64_t chunks = (numel + chunk_size - 1) / chunk_size;
-    for (int64_t c = 0; c < chunks; ++c) {
-      meta.block_to_tensor[loc_block] = static_cast<unsigned char>(loc_tensor - 1);
-      meta.block_to_chunk[loc_block] = static_cast<int>(c);
-      ++loc_block;
-      const bool tensor_done = c == chunks - 1;
-      if (loc_block < kMaxBlocks && !(tensor_done && loc_tensor == kMaxTensors)) continue;
-      multi_tensor_kernel<Depth><<<loc_block, kBlockThreads, 0, stream>>>(chunk_size, meta, nonfinite_flag, op);
-      const cudaError_t err = cudaGetLastError();
-      if (err != cudaSuccess) return err;
-      loc_block = 0;
-      if (tensor_done) {
-        loc_tensor = 0;
-      } else {  // the current tensor continues in the next launch, as entry 0
-        meta.sizes[0] = meta.sizes[loc_tensor - 1];
-        for (int d = 0; d < Depth; ++d) meta.addresses[d][0] = meta.addresses[d][loc_tensor - 1];
-        loc_tensor = 1;
+  for (int64_t base = 0; base < n; base += threads * ILP) {
+    In a[ILP];
+    Out b[ILP];
+#pragma unroll
+    for (int j = 0; j < ILP; ++j) {
+      const int64_t i = base + threadIdx.x + j * threads;
+      if (i < n) {
+        a[j] = src[i];
+        if (ReadDst) b[j] = dst[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < ILP; ++j) {
+      const int64_t i = base + threadIdx.x + j * threads;
+      if (i < n) {
+        f(a[j], b[j]);
+        dst[i] = b[j];
       }
     }
   }
-  if (loc_block > 0) {
-    multi_tensor_kernel<Depth><<<loc_block, kBlockThreads, 0, stream>>>(chunk_size, meta, nonfinite_flag, op);
-    return cudaGetLastError();
-  }
-  return cudaSuccess;
+}
+
+// One launch of `op` over every chunk of the `count` tensors of a device-side TensorTable<Depth>
+// (`chunks` = its first_chunk[count]); returns the launch's CUDA error (cudaSuccess if none).
+template <int Depth, class Functor>
+cudaError_t multi_tensor_apply(const int64_t* device_table, int64_t count, int64_t chunks, int64_t chunk_size,
+                               float* nonfinite_flag, cudaStream_t stream, Functor op) {
+  if (count == 0) return cudaSuccess;
+  const int64_t grid = chunks < kMaxGrid ? chunks : kMaxGrid;
+  multi_tensor_table_kernel<Depth><<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(
+      device_table, count, chunks, chunk_size, nonfinite_flag, op);
+  return cudaGetLastError();
 }
 
 }  // namespace dsm

@@ -12,9 +12,9 @@ from _toolchain import skip_unless_toolchain_missing
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PAIRS = list(itertools.product(DTYPES, DTYPES))
-CHUNK = 65536  # CUDA chunk size (dsm::kChunkSize); CPU threads split at 1 << 15
+CHUNK = 16384  # CUDA chunk size (kCudaChunk in fused_reduce.cpp); CPU threads split at 1 << 15
 SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
-         (1 << 15) - 1, 1 << 15, (1 << 15) + 1, CHUNK - 1, CHUNK, CHUNK + 1]
+         (1 << 15) - 1, 1 << 15, (1 << 15) + 1, CHUNK - 1, CHUNK, CHUNK + 1, 65535, 65536, 65537]
 SCALE = 0.3
 
 
@@ -174,7 +174,7 @@ def test_refusals_name_the_tensor(ext, impl_name):
 def test_cuda_matches_reference(ext, in_dtype, out_dtype):
     assert ext.has_cuda, "extension was built without CUDA kernels"
     gen = torch.Generator().manual_seed(2)
-    sizes = SIZES + [3 * CHUNK + 5] + [1, 2, 3] * 100  # > kMaxTensors tensors, > 1 launch
+    sizes = SIZES + [3 * CHUNK + 5] + [1, 2, 3] * 1500  # a 4,600-entry tensor table, most entries misaligned
     tensors = [randn(n, in_dtype, gen=gen).cuda() for n in sizes]
     tensors.append(randn(777, in_dtype).cuda()[1:])  # misaligned
     out, flag = check_pack(ext, tensors, out_dtype)
@@ -184,6 +184,21 @@ def test_cuda_matches_reference(ext, in_dtype, out_dtype):
     tensors[-2][0] = float("nan")
     _, flag = check_pack(ext, tensors, out_dtype)
     assert flag.item() == 1.0
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_mixed_dtypes_share_one_flag(ext):
+    """Three input dtypes in one call: a tensor table and a launch per dtype pair, one flag."""
+    gen = torch.Generator().manual_seed(4)
+    tensors = [randn(n, DTYPES[i % 3], gen=gen).cuda() for i, n in enumerate([5, 40000, 9, CHUNK + 3, 1, 77])]
+    _, flag = check_pack(ext, tensors, torch.float16)
+    assert flag.item() == 0.0
+    for i in range(3):
+        bad = [t.clone() for t in tensors]
+        bad[3 + i][-1] = float("inf")
+        _, flag = check_pack(ext, bad, torch.float16)
+        assert flag.item() == 1.0, f"an inf in the {bad[3 + i].dtype} launch was not flagged"
 
 
 # ------------------------------------------------------------------ pack_partitions
