@@ -31,7 +31,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+# BENCH_RESULTS sends the results elsewhere (a GPU run writes them to benchmarks/results/gpu/).
+RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "benchmarks" / "results")).resolve()
+# Ranks per benchmark. BENCH_WORLD_SIZE=1 runs one rank, on NCCL where one GPU is visible: the
+# launcher uses NCCL only when every rank gets its own GPU.
+WORLD_SIZE = int(os.environ.get("BENCH_WORLD_SIZE", "2"))
 for _path in (ROOT, ROOT / "tests" / "multi_gpu"):  # the package; rank_launcher (shared with the tests)
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
@@ -43,12 +47,12 @@ MB = float(1 << 20)
 from rank_launcher import run_ranks, use_gpu  # noqa: E402
 
 
-def launch(fn, *args, world_size: int = 2, timeout_s: float = 900):
-    """Run ``fn(*args)`` on ``world_size`` ranks; return the per-rank return values (a list).
+def launch(fn, *args, world_size: int = None, timeout_s: float = 900):
+    """Run ``fn(*args)`` on ``world_size`` ranks (default ``WORLD_SIZE``); return the per-rank return values.
 
     Rank 0 prints to this terminal when ``BENCH_QUIET=0``; DeepSpeed's construction logs go to files otherwise.
     """
-    return run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s,
+    return run_ranks(fn, *args, world_size=world_size or WORLD_SIZE, timeout_s=timeout_s,
                      quiet_rank0=os.environ.get("BENCH_QUIET", "1") == "1")
 
 
@@ -189,7 +193,7 @@ def interleave(variants: dict, warmup: int, steps: int):
     # max over ranks, step by step
     for n in names:
         for p, vals in times[n].items():
-            t = torch.tensor(vals, dtype=torch.float64)
+            t = torch.tensor(vals, dtype=torch.float64, device=device())  # NCCL reduces device tensors only
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times[n][p] = t.tolist()
     return times
@@ -262,7 +266,7 @@ class PeakMemory:
             peak = torch.cuda.max_memory_allocated() - self.base
         else:
             peak = _proc_status_kb("VmHWM") * 1024 - self.base
-        t = torch.tensor([peak / MB], dtype=torch.float64)
+        t = torch.tensor([peak / MB], dtype=torch.float64, device=device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
@@ -288,12 +292,16 @@ def meta(**extra) -> dict:
             "memory": memory_kind(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **extra}
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def save(name: str, payload: dict, plot=None) -> None:
     """Write benchmarks/results/<name>.json and, when matplotlib is importable, <name>.png."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {_shown(path)}")
     if plot is None:
         return
     try:
@@ -307,7 +315,7 @@ def save(name: str, payload: dict, plot=None) -> None:
     png = RESULTS / f"{name}.png"
     fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    print(f"wrote {png.relative_to(ROOT)}")
+    print(f"wrote {_shown(png)}")
 
 
 def bar_plot(plt, title, groups, series, ylabel):

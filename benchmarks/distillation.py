@@ -93,7 +93,7 @@ def main():
     st, te = _models()
     print(f"\nDistillation: student {B.n_params(st) / 1e6:.2f}M params ({STUDENT_LAYERS} blocks), frozen teacher "
           f"{B.n_params(te) / 1e6:.2f}M params ({TEACHER_LAYERS} blocks) under no_grad, d={D}, vocab {VOCAB}, "
-          f"micro-batch {MICRO_BS}x{SEQ}, 2 ranks, median of {args.steps} steps after {args.warmup} warm-up; "
+          f"micro-batch {MICRO_BS}x{SEQ}, {B.WORLD_SIZE} rank(s), median of {args.steps} steps after {args.warmup} warm-up; "
           f"memory = {B.memory_kind()}\n")
     print(table)
     result = (f"RESULT distill_ours_vs_upstream={med['ours Z2+Z3'] / med['upstream Z2+Z3']:.3f} "

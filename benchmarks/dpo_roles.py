@@ -191,7 +191,7 @@ def run_variant(variant, size, dtype, warmup, steps):
     intervals = [(b - a) * 1e3 for a, b in zip(timer.ends, timer.ends[1:])]
     per_step = {}
     for name, vals in (("ms", timer.ms), ("interval_ms", intervals)):
-        t = torch.tensor(vals, dtype=torch.float64)
+        t = torch.tensor(vals, dtype=torch.float64, device=B.device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         per_step[name] = t.tolist()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

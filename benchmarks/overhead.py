@@ -33,7 +33,11 @@ from unittest import mock
 
 import _bench as B
 
-D, LAYERS, SEQ, MICRO_BS = 256, 3, 32, 8
+# BENCH_OVERHEAD_DIM / BENCH_OVERHEAD_LAYERS size the model (the spawned ranks read them too): the
+# default is small enough for 2 CPU ranks; a GPU needs a large one to be busy (e.g. 2048 and 8).
+D = int(os.environ.get("BENCH_OVERHEAD_DIM", "256"))
+LAYERS = int(os.environ.get("BENCH_OVERHEAD_LAYERS", "3"))
+SEQ, MICRO_BS = 32, 8
 
 # --watchdog / --rank-agreement / --overflow-by-norm: what turns the feature off in the third variant.
 FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
@@ -144,7 +148,7 @@ def main():
     table = B.fmt_table(headers, rows)
     model = B.Tower(D, D, LAYERS, D)
     print(f"\nOverhead: one engine, {LAYERS} blocks d={D} ({B.n_params(model) / 1e6:.2f}M params), micro-batch "
-          f"{MICRO_BS}x{SEQ}, 2 ranks, median of {args.steps} steps after {args.warmup} warm-up; "
+          f"{MICRO_BS}x{SEQ}, {B.WORLD_SIZE} rank(s), median of {args.steps} steps after {args.warmup} warm-up; "
           f"memory = {B.memory_kind()}\n")
     print(table)
     fp32 = {r["stage"]: r["ratio"] for r in data if r["dtype"] == "fp32"}
@@ -183,7 +187,7 @@ def feature_main(args, feature):
     headers = ["stage", "dtype", "upstream ms", f"ours, {what} on ms", f"ours, {what} off ms",
                "on/off (paired)", "on/upstream (paired)", "off/upstream (paired)"]
     table = B.fmt_table(headers, rows)
-    print(f"\nCost of the {what}: one engine, {LAYERS} blocks d={D}, micro-batch {MICRO_BS}x{SEQ}, 2 ranks, "
+    print(f"\nCost of the {what}: one engine, {LAYERS} blocks d={D}, micro-batch {MICRO_BS}x{SEQ}, {B.WORLD_SIZE} rank(s), "
           f"median of {args.steps} interleaved steps after {args.warmup} warm-up\n")
     print(table)
     result = "RESULT " + " ".join(

@@ -62,7 +62,7 @@ def _equal_weights(a, b) -> bool:
     pa, pb = list(a.module.parameters()), list(b.module.parameters())
     with deepspeed.zero.GatheredParameters(pa + pb, modifier_rank=None):
         same = all(torch.equal(x, y) for x, y in zip(pa, pb))
-    flag = torch.tensor([0 if same else 1])
+    flag = torch.tensor([0 if same else 1], device=B.device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0
 

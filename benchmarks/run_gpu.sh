@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU list on a machine with ONE GPU, in phases sized for a 10-minute lease call:
+#   benchmarks/run_gpu.sh OUT kernels [matrix] [engines]
+#     kernels: tests/unit (the CUDA kernels against the reference), the fused-op microbenchmark
+#     matrix:  the correctness matrix on one rank under NCCL
+#     engines: the fused matrix and the step tests on one rank under NCCL; the end-to-end
+#              benchmarks on one GPU (ours vs upstream, fused on/off)
+# Everything is logged under /tmp/gpu-<phases> and packed into OUT/gpu-<phases>.tar.gz after every
+# step (a lease call returns at most 8 files, and one cut short still returns what ran).
+# The interpreter is $PYTHON (default python3) with torch for CUDA already installed; DeepSpeed and
+# the rest as wheels in .whl/ are installed to /tmp/site when .whl/ exists (the lease machine has no
+# registry).
+# Two ranks need two GPUs (NCCL refuses two ranks on one GPU): with one, the multi-process tests
+# and the benchmarks run on one rank (DSM_TEST_WORLD_SIZE=1, BENCH_WORLD_SIZE=1), so the NCCL
+# collectives run but reduce nothing across ranks; tests that need 2+ ranks would fall back to
+# gloo on CPU (the launcher picks NCCL only when every rank has a GPU) and are left out here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?output folder}
+shift
+PHASES=${*:?phases: kernels, matrix, engines}
+PHASE=${PHASES// /-}
+WORK=/tmp/gpu-$PHASE
+mkdir -p "$OUT" "$WORK"
+PY=${PYTHON:-python3}
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export DSM_BUILD_DIR=/tmp/dsm_build TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+export DSM_TEST_WORLD_SIZE=1 BENCH_WORLD_SIZE=1 BENCH_RESULTS="$WORK/results"
+unset DS_ACCELERATOR
+
+step() {  # step NAME SECONDS COMMAND...: run with a deadline, log to OUT/NAME.log, time it
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s)
+  echo "=== $name: $*"
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc $rc in $(( $(date +%s) - start )) s" | tee -a "$WORK/$name.log"
+  tail -4 "$WORK/$name.log"
+  tar czf "$OUT/gpu-$PHASE.tar.gz" -C "$WORK" .  # after every step: a call cut short still returns the logs
+}
+
+{
+  date -u; c++ --version | head -1; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$PY" -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  nvcc --version | tail -2
+} > "$WORK/env.txt" 2>&1
+cat "$WORK/env.txt"
+
+step build 240 "$PY" -m deepspeed_multi.ops.build
+for phase in $PHASES; do
+  case $phase in
+    kernels)
+      step unit 300 env DS_ACCELERATOR=cpu "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/unit
+      step fused_reduce_bf16 150 env BENCH_RESULTS="$WORK/results/bf16" "$PY" benchmarks/fused_reduce.py --device cuda
+      step fused_reduce_fp32 150 env BENCH_RESULTS="$WORK/results/fp32" "$PY" benchmarks/fused_reduce.py --device cuda \
+        --dtype fp32
+      ;;
+    matrix)
+      step matrix "${MATRIX_SECONDS:-400}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rA --durations=10" \
+        tests/multi_gpu/test_matrix.py
+      ;;
+    engines)
+      # test_api.py and test_checkpoint.py feed CPU batches to the engines (not device-agnostic yet).
+      step one_rank_tests 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rA --durations=10" \
+        tests/multi_gpu/test_fused_matrix.py tests/multi_gpu/test_step.py tests/multi_gpu/test_zero3_step.py \
+        tests/multi_gpu/test_zero12_step.py -k "not world3"
+      step overhead_small 150 "$PY" benchmarks/overhead.py --no-memory
+      step fused_e2e 120 "$PY" benchmarks/fused_reduce_e2e.py --world 1 --dim 64 --layers 400
+      step overhead_large 240 env BENCH_OVERHEAD_DIM=2048 BENCH_OVERHEAD_LAYERS=8 \
+        BENCH_RESULTS="$WORK/results/large" "$PY" benchmarks/overhead.py --steps 10
+      ;;
+    *) echo "unknown phase $phase (kernels, matrix, engines)"; exit 2 ;;
+  esac
+done
+tar czf "$OUT/gpu-$PHASE.tar.gz" -C "$WORK" . && echo "packed $OUT/gpu-$PHASE.tar.gz"
