@@ -5,8 +5,9 @@ ranks, once as plain PyTorch modules on every rank (the reference sees the batch
 ranks and averages the per-rank losses, which is what data-parallel averaging computes).
 """
 import copy
+import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import torch
@@ -15,6 +16,9 @@ import torch.nn as nn
 import deepspeed.comm as dist
 
 FP32_TOL = 1e-5
+# Ranks of a scenario that names none. DSM_TEST_WORLD_SIZE=1 runs them on one rank, which is NCCL
+# on a machine with one GPU (the launcher uses NCCL only when every rank has a GPU of its own).
+WORLD_SIZE = int(os.environ.get("DSM_TEST_WORLD_SIZE", "2"))
 
 
 class MLP(nn.Module):
@@ -120,7 +124,7 @@ class Scenario:
     batch: Callable = None
     micro_steps: int = 4
     dtype: str = "fp32"
-    world_size: int = 2
+    world_size: int = field(default_factory=lambda: WORLD_SIZE)
     took_effect: Callable = None  # engines -> None; raises if a configured knob did not take effect
     prepare: Callable = None  # engines -> None: after initialize, before the first forward (e.g. engine.compile())
 

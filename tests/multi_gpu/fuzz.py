@@ -56,10 +56,10 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from deepspeed_multi import compat  # noqa: E402
-from common import FP32_TOL, Member, Phase, Scenario, compare, ds_config, run_engines, run_reference  # noqa: E402
+from common import (FP32_TOL, WORLD_SIZE, Member, Phase, Scenario, compare, ds_config, run_engines,  # noqa: E402
+                    run_reference)
 
 OUTPUTS = ("tensor", "tuple", "dict", "dataclass", "modeloutput")
-WORLD_SIZE = 2
 MICRO_STEPS = 4
 
 

@@ -34,12 +34,14 @@ def _close_pool():
         _POOL.pop().close()
 
 
-def run_distributed(fn, *args, world_size: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, fresh: bool = False,
+def run_distributed(fn, *args, world_size: int = None, timeout_s: float = DEFAULT_TIMEOUT_S, fresh: bool = False,
                     **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; fail with the failing rank's traceback.
 
     The ranks are the session's pool, reused from test to test; ``fresh=True`` starts new ranks for
-    this run alone (a test that changes process-wide state it cannot undo)."""
+    this run alone (a test that changes process-wide state it cannot undo). ``world_size``
+    defaults to common.WORLD_SIZE (2, or DSM_TEST_WORLD_SIZE)."""
+    world_size = world_size or int(os.environ.get("DSM_TEST_WORLD_SIZE", "2"))
     try:
         if fresh:
             run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s, rank_setup=_allow_fp16_on_cpu, **kwargs)

@@ -23,7 +23,7 @@ PLAN = ["backward", "none", "input-grad", "backward", "none", "none", "backward"
 
 
 def _micro_step(model, kind, step, rank):
-    x, y = _batch(step, rank)
+    x, y = (t.to(model.device) for t in _batch(step, rank))
     if kind == "backward":
         ((model(x) - y)**2).mean().backward()
     elif kind == "input-grad":
@@ -91,7 +91,7 @@ def step_exception_recovers(stage):
     ref = copy.deepcopy(MLP(seed=1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(5):
-        x, y = _batch(step, rank)
+        x, y = (t.to(engine.device) for t in _batch(step, rank))
         ((engine(x) - y)**2).mean().backward()
         failed = False
         try:

@@ -16,6 +16,7 @@ import re
 import pytest
 
 import scenarios
+from common import WORLD_SIZE
 from harness import run_distributed
 
 NAMES = [
@@ -98,7 +99,7 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
 def test_fused_matrix(variant):
     names = [n for n in NAMES if n in scenarios.SCENARIOS]
     assert len(names) == len(NAMES), sorted(set(NAMES) - set(scenarios.SCENARIOS))
-    world = 3 if variant == "world3" else 2
+    world = 3 if variant == "world3" else WORLD_SIZE
     if variant == "fp32acc":
         names = [n for n in names if "bf16" in n or "fp16" in n]
     if variant == "world3":

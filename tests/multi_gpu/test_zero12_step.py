@@ -121,7 +121,7 @@ def _check(name):
     with record_found(zero12_step, "run_view") as taken, record_found(zero12_step, "partition_views") as checked:
         for step in range(UPDATES * gas):
             for engine in engines.values():
-                x, y = _batch(step, rank, d_out, overflow)
+                x, y = (t.to(engine.device) for t in _batch(step, rank, d_out, overflow))
                 ((engine(x) - y)**2).mean().backward()
                 engine.step()
             for r in range(world):  # the reference sees every rank's micro-batch: DP averages over ranks

@@ -69,7 +69,7 @@ def _check(name):
     with record_found(zero3_step, "one_view") as taken:
         for step in range(UPDATES * gas):
             for engine in engines.values():
-                x, y = _batch(step, rank)
+                x, y = (t.to(engine.device) for t in _batch(step, rank))
                 ((engine(x) - y)**2).mean().backward()
                 engine.step()
             for r in range(world):  # the reference sees every rank's micro-batch: DP averages over ranks
