@@ -108,6 +108,9 @@ FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "stage3_partition": (_Z3, ("partition_grads", )),
     "stage3_scatter": (_Z3, (_MANGLED + "avg_scatter_grads", )),
     "stage3_grad_view": (_Z3, ("_prepare_fp32_grad_for_sub_group", )),
+    "stage12_bucket_size": (_Z12, ("setup_buckets", "reduce_independent_p_g_buckets_and_remove_grads")),
+    "stage3_bucket_size": (_Z3, ("reduce_independent_p_g_buckets_and_remove_grads", _MANGLED + "add_grad_to_ipg_bucket",
+                                 _MANGLED + "reduce_and_partition_ipg_grads")),
 }
 
 

@@ -287,3 +287,58 @@ def recovers_after_failed_backward(stage):
         opt.step()
         opt.zero_grad()
     _assert_close(full_params(engine), dict(ref.named_parameters()), f"stage {stage} after a failed backward")
+
+
+def bucket_buffers_sized(stage, dtype, overlap):
+    """DeepSpeed's default reduce_bucket_size (5e8) on a small model: the bucket buffers hold the
+    engine's trainable elements, buckets flush where DeepSpeed's do, results are plain PyTorch's."""
+    from deepspeed_multi import compat
+    from deepspeed_multi.zero import bucket_size
+    gas, big = 2, 5 * 10**8
+    model = MLP(seed=1)
+    cfg = ds_config(stage, dtype, gas=gas)
+    cfg["zero_optimization"].update(reduce_bucket_size=big, allgather_bucket_size=big, stage3_prefetch_bucket_size=big,
+                                    overlap_comm=overlap)
+    engine = deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        config=cfg)[0]
+    opt = engine.optimizer
+    elements = sum(p.numel() for p in MLP(seed=1).parameters())
+    where = f"ZeRO-{stage} {dtype} overlap_comm={overlap}"
+    assert bucket_size.sized_elements(opt) == elements, f"{where}: buckets not sized ({bucket_size.sized_elements(opt)})"
+    assert opt.reduce_bucket_size == big, f"{where}: the flush rule's reduce_bucket_size changed"
+    allocated = []  # the buffers' sizes: ZeRO-1/2 allocate them per window (and may release them in backward)
+    if stage == 3:
+        allocated += [bucket.buffer.numel() for bucket in opt.ipg_buckets.values() if bucket.buffer is not None]
+    else:
+        setup = opt.setup_buckets
+
+        def spy():
+            setup()
+            allocated.extend(b.numel() for bucket in opt.ipg_buckets.values() for b in bucket.buffer)
+
+        opt.setup_buckets = spy
+    ref = MLP(seed=1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    world = dist.get_world_size()
+    for step in range(4):
+        x, y = (t.to(engine.device) for t in _batch(step))
+        ((engine(x) - y)**2).mean().backward()
+        engine.step()
+        for r in range(world):
+            xr, yr = _batch(step, r)
+            (((ref(xr) - yr)**2).mean() / (gas * world)).backward()
+        if step % gas == gas - 1:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    if dtype == "fp32":
+        _assert_close(full_params(engine), dict(ref.named_parameters()), where)
+    else:
+        got, want = full_params(engine), dict(ref.named_parameters())
+        init = dict(MLP(seed=1).named_parameters())
+        du = torch.cat([(got[n] - init[n].detach()).flatten() for n in got])
+        dr = torch.cat([(want[n] - init[n]).detach().flatten() for n in got])
+        cos = torch.nn.functional.cosine_similarity(du, dr, dim=0).item()
+        assert cos > 0.99 and abs(du.norm() / dr.norm() - 1) < 0.05, f"{where}: update cosine {cos:.4f}"
+    assert allocated and all(n == elements for n in allocated), \
+        f"{where}: bucket buffers of {sorted(set(allocated))} elements, want {elements}"
+    assert compat.installed(opt, bucket_size.FEATURE_Z3 if stage == 3 else bucket_size.FEATURE_Z12)

@@ -47,3 +47,14 @@ def test_fp16_overflow_skips_only_that_engine():
 @pytest.mark.parametrize("stages", [(2, 3), (0, 1)])
 def test_skip_group_skips_together(stages):
     run_distributed(checks.skip_group_skips_together, *stages)
+
+
+def test_bucket_buffers_sized_for_the_engine():
+    """deepspeed_multi/zero/bucket_size.py: [Note: buckets sized for the engine]."""
+    run_distributed(_buckets)
+
+
+def _buckets():
+    for stage, dtype, overlap in [(1, "fp32", False), (2, "fp32", False), (2, "fp32", True), (2, "bf16", True),
+                                  (3, "fp32", False), (3, "bf16", True)]:
+        checks.bucket_buffers_sized(stage, dtype, overlap)
