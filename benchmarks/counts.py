@@ -12,7 +12,10 @@ autograd (forward, backward and the optimizer), including ``c10d`` collectives:
   ``bool(t)``; ``is_nonzero``; ``equal``), each a stall on a GPU;
 * store meetings: our ranks' rendezvous-store meetings before an engine's collectives
   (``agree_before_collectives``, on by default with gloo; off with NCCL), round trips to the
-  store that the dispatcher does not see.
+  store that the dispatcher does not see;
+* allocated MiB: the bytes of the tensors the step's factory operators create (``empty``,
+  ``zeros``, ``*_like``, ...), touched or not: what a GPU's allocator is asked for (ZeRO-1/2's
+  bucket buffers, allocated every window, are the large part at DeepSpeed's default bucket size).
 
 Variants, in the same 2 ranks (AdamW, fp32, DeepSpeed's default bucket sizes):
 
@@ -39,6 +42,11 @@ import _bench as B
 import growth
 
 SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal")
+# Operators that make a new tensor of a size they are given: what a step asks the allocator for
+# (the bucket buffers, flat copies), whether or not it is touched (a GPU allocates it all).
+FACTORY_OPS = ("aten.empty", "aten.empty_strided", "aten.zeros", "aten.ones", "aten.full", "aten.empty_like",
+               "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.new_empty", "aten.new_zeros",
+               "aten.new_full", "aten.new_empty_strided")
 
 
 def _dispatch_mode_class():
@@ -53,6 +61,7 @@ def _dispatch_mode_class():
             self.collective_bytes = collections.Counter()
             self.ops = 0
             self.syncs = 0
+            self.factory_bytes = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
@@ -63,7 +72,10 @@ def _dispatch_mode_class():
             else:
                 self.ops += 1
                 self.syncs += name in SYNC_OPS
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if name in FACTORY_OPS:
+                self.factory_bytes += _largest_tensor_bytes(out)
+            return out
 
     return StepCounter
 
@@ -109,7 +121,8 @@ def count_step(step, warmup=2) -> dict:
         step(warmup)
     return {"collectives": sum(counter.collectives.values()), "by_kind": dict(counter.collectives),
             "collective_mb": sum(counter.collective_bytes.values()) / B.MB, "ops": counter.ops,
-            "host_syncs": counter.syncs, "store_meetings": meetings.count}
+            "host_syncs": counter.syncs, "store_meetings": meetings.count,
+            "allocated_mb": counter.factory_bytes / B.MB}
 
 
 def _stage(stages, k):
@@ -179,15 +192,18 @@ def main():
     rows = B.launch(counts, args.engines, args.stages, not args.no_rlhf, timeout_s=3000)[0]
     table = B.fmt_table(
         ["workload", "stages", "N", "variant", "collectives", "by kind", "MiB", "operators", "host syncs",
-         "store meetings"],
+         "store meetings", "allocated MiB"],
         [[r["workload"], r["stages"], r["n"], r["variant"], r["collectives"],
           " ".join(f"{k}:{v}" for k, v in sorted(r["by_kind"].items())), f"{r['collective_mb']:.2f}", r["ops"],
-          r["host_syncs"], r["store_meetings"]] for r in rows])
+          r["host_syncs"], r["store_meetings"], f"{r['allocated_mb']:.1f}"] for r in rows])
     print(f"\nOne training step after 2 warm-up steps, 2 ranks on {B.device().type}, max over ranks\n")
     print(table)
     eight = {r["variant"]: r["collectives"] for r in rows
              if r["workload"] == "towers chained" and r["n"] == 8 and r["stages"] == "alt"}
     result = "RESULT " + " ".join(f"collectives_chain8_{k.replace('-', '_')}={v}" for k, v in eight.items())
+    alloc = {r["variant"]: r["allocated_mb"] for r in rows
+             if r["workload"] == "towers chained" and r["n"] == 8 and r["stages"] == "alt"}
+    result += " " + " ".join(f"allocated_mb_chain8_{k.replace('-', '_')}={v:.1f}" for k, v in alloc.items())
     print(result)
 
     def plot(plt):

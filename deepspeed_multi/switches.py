@@ -11,6 +11,7 @@ FUSED_ZERO = "DSM_FUSED_ZERO"  # the fused bucket passes (stage12_reduce, stage1
 ZERO12_GRAD_VIEW = "DSM_ZERO12_GRAD_VIEW"  # ZeRO-1/2 update reads its gradient partition in place
 ZERO3_GRAD_VIEW = "DSM_ZERO3_GRAD_VIEW"  # ZeRO-3 update reads its fp32 gradient in place
 ZERO12_OVERFLOW_BY_NORM = "DSM_ZERO12_OVERFLOW_BY_NORM"  # the norm's all-reduce also decides overflow
+BUCKET_SIZE = "DSM_BUCKET_SIZE"  # gradient bucket buffers no larger than the engine's parameters
 # Reliability.
 CHECK_RANK_AGREEMENT = "DSM_CHECK_RANK_AGREEMENT"  # ZeRO-0/1 per-update backward-count comparison
 # DeepSpeed outside the supported window: run anyway, every fast path off (compat.check_deepspeed).
@@ -21,7 +22,7 @@ ALLOW_UNTESTED_TRAINERS = "DSM_ALLOW_UNTESTED_TRAINERS"
 FUSED_REDUCE_BACKEND = "DSM_FUSED_REDUCE"
 BUILD_DIR = "DSM_BUILD_DIR"
 
-ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, CHECK_RANK_AGREEMENT,
+ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, BUCKET_SIZE, CHECK_RANK_AGREEMENT,
        ALLOW_UNSUPPORTED_DEEPSPEED, ALLOW_UNTESTED_TRAINERS, FUSED_REDUCE_BACKEND, BUILD_DIR)
 
 

@@ -17,12 +17,14 @@ still compares against ``reduce_bucket_size``, so buckets flush exactly where th
 collectives on the same elements, DeepSpeed's bits. The one construction-time ZeRO-3 buffer is
 still allocated at full size by DeepSpeed and replaced right after, so a peak at construction
 remains; on a GPU the caching allocator then reuses that block for other tensors.
+``DSM_BUCKET_SIZE=0`` keeps DeepSpeed's buffers (for A/B runs).
 """
 from __future__ import annotations
 
 import torch
 
 from .. import compat
+from ..switches import BUCKET_SIZE, switch_on
 
 FEATURE_Z12 = "stage12_bucket_size"
 FEATURE_Z3 = "stage3_bucket_size"
@@ -60,7 +62,7 @@ def install(optimizer) -> dict:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     done = {FEATURE_Z12: False, FEATURE_Z3: False}
-    if not getattr(optimizer, "contiguous_gradients", False):
+    if not switch_on(BUCKET_SIZE) or not getattr(optimizer, "contiguous_gradients", False):
         return done
     elements = bucket_elements(optimizer)
     if elements >= int(optimizer.reduce_bucket_size):
