@@ -1,8 +1,8 @@
 """How the step time grows with the number of engines in one loss and with the parameter count.
 
-Engines (``--engines 1 2 4 8``): N small towers (one transformer block each, d=128), each its own
-``deepspeed_multi`` engine (stages alternating 2, 3, 2, 3, ...), under one ``loss.backward()``,
-wired two ways:
+Engines (``--engines 1 2 4 8 16``): N small towers (one transformer block each, d=128), each its own
+``deepspeed_multi`` engine (``--stages``: ``alt`` alternating 2, 3, 2, 3, ..., ``2`` all ZeRO-2, ``3``
+all ZeRO-3), under one ``loss.backward()``, wired two ways:
 
 * chained:  ``x -> E_1 -> E_2 -> ... -> E_N -> loss``
 * parallel: ``loss = sum_i loss(E_i(x))``
@@ -16,10 +16,11 @@ largest size fits a 2-core CPU box in minutes.
 
 Per point the variants are built in the same 2 ranks and stepped interleaved (AdamW, fp32);
 the figure is the median step time and the paired per-step ratio ours / super-module.
-Prints two tables and ``RESULT growth_chain_8=.. growth_parallel_8=.. growth_params_max=..``;
+Prints two tables and ``RESULT growth_chain_16=.. growth_parallel_16=.. growth_chain_16_z2=.. .. growth_params_max=..``;
 writes benchmarks/results/growth.json and .png (two panels).
 
-Usage: python benchmarks/growth.py [--steps 6] [--warmup 2] [--engines 1 2 4 8] [--dims 40 128 400 1248]
+Usage: python benchmarks/growth.py [--steps 6] [--warmup 2] [--engines 1 2 4 8 16] [--stages alt 2 3]
+                                  [--dims 40 128 400 1248]
 """
 from __future__ import annotations
 
@@ -56,12 +57,15 @@ def _batch(i, shape, dev):
     return torch.randn(*shape, generator=g).to(dev), torch.randn(*shape, generator=g).to(dev)
 
 
-def _engine_count_variants(n, wiring):
+STAGES = {"alt": lambda k: 2 + k % 2, "2": lambda k: 2, "3": lambda k: 3}  # --stages: tower k's ZeRO stage
+
+
+def _engine_count_variants(n, wiring, stages="alt"):
     import deepspeed
     import deepspeed_multi
     dev = B.device()
     towers = [B.Tower(D_ENGINE, D_ENGINE, 1, D_ENGINE, seed=k) for k in range(n)]
-    engines = [B.build_engine(deepspeed_multi.initialize, copy.deepcopy(t), B.ds_config(2 + k % 2))
+    engines = [B.build_engine(deepspeed_multi.initialize, copy.deepcopy(t), B.ds_config(STAGES[stages](k)))
                for k, t in enumerate(towers)]
     whole = (B.Chain if wiring == "chained" else Parallel)(*copy.deepcopy(towers))
     upstream = B.build_engine(deepspeed.initialize, whole, B.ds_config(3))
@@ -117,16 +121,17 @@ def _param_count_variants(d):
     return {"ours": ours, "super-module": super_module}, B.n_params(enc) + B.n_params(llm)
 
 
-def timing(engine_counts, dims, warmup, steps):
+def timing(engine_counts, stage_sets, dims, warmup, steps):
     out = {"engines": [], "params": []}
-    for wiring in ("chained", "parallel"):
-        for n in engine_counts:
-            variants, params = _engine_count_variants(n, wiring)
-            t = B.interleave(variants, warmup, steps)
-            out["engines"].append({"wiring": wiring, "n": n, "params": params,
-                                   **{k: v["total"] for k, v in t.items()}})
-            del variants
-            gc.collect()
+    for stages in stage_sets:
+        for wiring in ("chained", "parallel"):
+            for n in engine_counts:
+                variants, params = _engine_count_variants(n, wiring, stages)
+                t = B.interleave(variants, warmup, steps)
+                out["engines"].append({"stages": stages, "wiring": wiring, "n": n, "params": params,
+                                       **{k: v["total"] for k, v in t.items()}})
+                del variants
+                gc.collect()
     for d in dims:
         variants, params = _param_count_variants(d)
         t = B.interleave(variants, warmup, steps)
@@ -138,48 +143,64 @@ def timing(engine_counts, dims, warmup, steps):
 
 def main():
     ap = B.arg_parser(__doc__)
-    ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--stages", nargs="+", default=["alt", "2", "3"], choices=list(STAGES),
+                    help="the towers' ZeRO stages: alt (2, 3, 2, ...), 2 or 3; the super-module is ZeRO-3 in all")
     ap.add_argument("--dims", type=int, nargs="+", default=[40, 128, 400, 1248])
     ap.set_defaults(steps=6, warmup=2)
     args = ap.parse_args()
-    t = B.launch(timing, args.engines, args.dims, args.warmup, args.steps, timeout_s=3000)[0]
+    t = B.launch(timing, args.engines, args.stages, args.dims, args.warmup, args.steps, timeout_s=5400)[0]
     rows_e, rows_p = [], []
     for r in t["engines"]:
         r.update(ours_ms=B.median(r["ours"]), super_ms=B.median(r["super-module"]),
                  ratio=B.paired_ratio(r["ours"], r["super-module"]))
-        rows_e.append([r["wiring"], r["n"], f"{r['params'] / 1e6:.2f}M", f"{r['ours_ms']:.1f}", f"{r['super_ms']:.1f}",
+        rows_e.append([r["stages"], r["wiring"], r["n"], f"{r['params'] / 1e6:.2f}M", f"{r['ours_ms']:.1f}", f"{r['super_ms']:.1f}",
                        f"{r['ratio']:.3f}"])
     for r in t["params"]:
         r.update(ours_ms=B.median(r["ours"]), super_ms=B.median(r["super-module"]),
                  ratio=B.paired_ratio(r["ours"], r["super-module"]))
         rows_p.append([r["d"], f"{r['params']:.3g}", f"{r['ours_ms']:.1f}", f"{r['super_ms']:.1f}", f"{r['ratio']:.3f}"])
-    table_e = B.fmt_table(["wiring", "engines", "params", "ours ms", "super-module ms", "ours / super-module (paired)"],
+    table_e = B.fmt_table(["stages", "wiring", "engines", "params", "ours ms", "super-module ms", "ours / super-module (paired)"],
                           rows_e)
     table_p = B.fmt_table(["width d", "params", "ours ms", "super-module ms", "ours / super-module (paired)"], rows_p)
-    print(f"\nEngines in one loss: N towers (1 block, d={D_ENGINE}), stages 2,3,2,3,..., micro-batch {MICRO_BS}x{SEQ}, "
-          f"2 ranks on {B.device().type}, median of {args.steps} steps after {args.warmup} warm-up; baseline: the N "
+    print(f"\nEngines in one loss: N towers (1 block, d={D_ENGINE}), stages alternating 2,3,2,.. (alt), all 2 or all 3, "
+          f"micro-batch {MICRO_BS}x{SEQ}, {B.WORLD_SIZE} ranks on {B.device().type}, median of {args.steps} steps after {args.warmup} warm-up; baseline: the N "
           "towers as one module in one upstream ZeRO-3 engine\n")
     print(table_e)
     print(f"\nParameters: encoder (ZeRO-2, 1 block) -> LLM (ZeRO-3, {P_LAYERS} blocks), width d, micro-batch "
           f"{P_MICRO_BS}x{P_SEQ}; baseline: one upstream ZeRO-3 engine over both\n")
     print(table_p)
-    last = {w: next(r for r in reversed(t["engines"]) if r["wiring"] == w) for w in ("chained", "parallel")}
-    result = (f"RESULT growth_chain_{last['chained']['n']}={last['chained']['ratio']:.3f} "
-              f"growth_parallel_{last['parallel']['n']}={last['parallel']['ratio']:.3f} "
-              f"growth_params_max={t['params'][-1]['ratio']:.3f}" if t["params"] else "")
+    last = {(st, w): next(r for r in reversed(t["engines"]) if r["wiring"] == w and r["stages"] == st)
+            for st in args.stages for w in ("chained", "parallel")}
+    result = "RESULT " + " ".join(
+        f"growth_{'chain' if w == 'chained' else w}_{r['n']}{'' if st == 'alt' else '_z' + st}={r['ratio']:.3f}"
+        for (st, w), r in last.items())
+    if t["params"]:
+        result += f" growth_params_max={t['params'][-1]['ratio']:.3f}"
 
     def plot(plt):
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig, (a, c, b) = plt.subplots(1, 3, figsize=(15, 3.8))
+        first = args.stages[0]
         for wiring, marker in (("chained", "o"), ("parallel", "s")):
-            rs = [r for r in t["engines"] if r["wiring"] == wiring]
+            rs = [r for r in t["engines"] if r["wiring"] == wiring and r["stages"] == first]
             a.plot([r["n"] for r in rs], [r["ours_ms"] for r in rs], marker=marker, label=f"ours, {wiring}")
             a.plot([r["n"] for r in rs], [r["super_ms"] for r in rs], marker=marker, linestyle="--",
                    label=f"super-module, {wiring}")
         a.set_xscale("log", base=2)
         a.set_xlabel("engines in one loss")
         a.set_ylabel("ms / step (median)")
-        a.set_title("Step time vs number of engines")
+        a.set_title(f"Step time vs number of engines (stages {first})")
         a.legend(fontsize=7)
+        for st in args.stages:
+            for wiring, marker in (("chained", "o"), ("parallel", "s")):
+                rs = [r for r in t["engines"] if r["wiring"] == wiring and r["stages"] == st]
+                c.plot([r["n"] for r in rs], [r["ratio"] for r in rs], marker=marker, label=f"stages {st}, {wiring}")
+        c.axhline(1.0, color="gray", linewidth=0.8)
+        c.set_xscale("log", base=2)
+        c.set_xlabel("engines in one loss")
+        c.set_ylabel("ours / super-module (paired)")
+        c.set_title("Ratio vs number of engines")
+        c.legend(fontsize=7)
         ps = t["params"]
         b.plot([r["params"] for r in ps], [r["ours_ms"] for r in ps], marker="o", label="ours (Z2 + Z3)")
         b.plot([r["params"] for r in ps], [r["super_ms"] for r in ps], marker="o", linestyle="--",

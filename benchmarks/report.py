@@ -37,9 +37,9 @@ SECTIONS = [
      "`deepspeed_multi.zero_init` with the parted config, and in `deepspeed.zero.Init` for the whole model. Ratios "
      "are ours / that variant, paired per step (< 1: ours is faster or smaller)."),
     ("growth", "Growth: engines in one loss, and parameter count",
-     "Step time as the number of engines under one loss grows (chained and parallel), and as the parameter "
-     "count of an encoder -> LLM pair grows from about 1e5 to 1e8, each beside one upstream ZeRO-3 engine "
-     "holding the same modules."),
+     "Step time as the number of engines under one loss grows (N = 1..16, chained and parallel; the engines "
+     "ZeRO-2/3 alternating, all ZeRO-2 or all ZeRO-3), and as the parameter count of an encoder -> LLM pair grows "
+     "from about 1e5 to 1e8, each beside one upstream ZeRO-3 engine holding the same modules."),
     ("counts", "What one step issues: collectives, operators, host syncs",
      "Hardware-independent cost of one step (counted, not timed; max over 2 ranks): collectives by kind with the "
      "bytes of their buffers, operators dispatched and host syncs (`.item()`-like), for ours (N engines, one "
