@@ -67,7 +67,9 @@ def install(optimizer) -> dict:
     elements = bucket_elements(optimizer)
     if elements >= int(optimizer.reduce_bucket_size):
         return done
-    if isinstance(optimizer, DeepSpeedZeroOptimizer) and compat.fast_path_exact(optimizer, FEATURE_Z12):
+    # ZeRO-1/2's flush rule is stage12_bucket_pack's method: checked there (and warned about there).
+    if (isinstance(optimizer, DeepSpeedZeroOptimizer) and compat.fast_path_exact(optimizer, FEATURE_Z12)
+            and compat.unchanged(optimizer, "stage12_bucket_pack")):
         compat.replace_method(optimizer, _SETUP, _sized_setup_buckets(elements), FEATURE_Z12)
         done[FEATURE_Z12] = True
     elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and compat.fast_path_exact(optimizer, FEATURE_Z3):

@@ -27,9 +27,12 @@ from deepspeed_multi import compat
 from harness import run_distributed
 
 STAGES = (1, 2, 3)
-# Features installed only together with another: off with it.
+# Features installed only together with another, or relying on another's checked method: off with it.
 DEPENDS_ON = {"stage3_partition": {"stage3_scatter"}, "stage12_reduce": {"stage12_bucket_pack"},
-              "stage12_grad_view": {"stage12_overflow_view"}}
+              "stage12_grad_view": {"stage12_overflow_view"}, "stage12_bucket_pack": {"stage12_bucket_size"}}
+# Buckets larger than the models (416 elements), so that the bucket buffers are sized for them
+# (zero/bucket_size.py) and the fused bucket passes see several parameters per bucket.
+BUCKET = 1000
 GAS, UPDATES = 2, 3
 
 
@@ -47,6 +50,7 @@ def _train():
     engines, installed = [], []
     for stage, model in zip(STAGES, _models()):
         cfg = ds_config(stage, gas=GAS, gradient_clipping=0.5)
+        cfg["zero_optimization"]["reduce_bucket_size"] = BUCKET
         opt = torch.optim.AdamW(model.parameters(), lr=0.02)
         engine, *_ = deepspeed_multi.initialize(model=model, optimizer=opt, config=copy.deepcopy(cfg))
         engines.append(engine)
@@ -115,7 +119,8 @@ def _check():
     _assert_same(base, reference, "as installed vs PyTorch", exact=False)
     if compat.fast_paths_allowed():  # a DeepSpeed release the fast paths were checked on
         assert "stage12_reduce" in installed[0] and "stage12_bucket_pack" in installed[1], installed
-        assert {"stage3_partition", "stage3_grad_view"} <= set(installed[2]), installed
+        assert {"stage3_partition", "stage3_grad_view", "stage3_bucket_size"} <= set(installed[2]), installed
+        assert "stage12_bucket_size" in installed[0] and "stage12_bucket_size" in installed[1], installed
         assert not records.messages, records.messages
     else:  # an older supported release: every fast path off, said once
         assert installed == [[], [], []], installed
