@@ -20,9 +20,16 @@ def _engine(stage, gas=1, trainable=True, seed=1, **extra):
 
 
 def _batch(step, rank=None):
-    rank = dist.get_rank() if rank is None else rank
+    """This rank's batch on the engines' device (rank None), or rank ``rank``'s on the CPU for the reference."""
+    own = rank is None
+    rank = dist.get_rank() if own else rank
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    if own:
+        from deepspeed.accelerator import get_accelerator
+        device = get_accelerator().current_device_name()
+        x, y = x.to(device), y.to(device)
+    return x, y
 
 
 def _train(engine, steps, start=0):
@@ -79,8 +86,8 @@ def zero_init_mixed_stages():
 def inference_only_input_grad(stage):
     """A frozen engine (no optimizer) passes exact gradients to its inputs at every stage."""
     engine = _engine(stage, trainable=False)
-    ref = MLP(seed=1)
     x, y = _batch(0)
+    ref = MLP(seed=1).to(x.device)
     x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     ((engine(x1) - y)**2).mean().backward()
     ((ref(x2) - y)**2).mean().backward()
@@ -321,7 +328,7 @@ def bucket_buffers_sized(stage, dtype, overlap):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     world = dist.get_world_size()
     for step in range(4):
-        x, y = (t.to(engine.device) for t in _batch(step))
+        x, y = _batch(step)
         ((engine(x) - y)**2).mean().backward()
         engine.step()
         for r in range(world):

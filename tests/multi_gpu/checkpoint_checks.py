@@ -73,6 +73,8 @@ def train(engines, start, stop, overflow_steps=()):
         h = h + 0.1 * torch.randn(4, 8)  # global RNG
         if step in overflow_steps:
             h = h * 1e6
+        device = next(iter(engines.values())).device
+        h, y = h.to(device), y.to(device)
         for engine in engines.values():
             h = engine(h)
         (((h - y)**2).mean() * (1 + 0.1 * random.random())).backward()
@@ -99,6 +101,8 @@ def train_global_batch(engines, start, stop):
     for step in range(start, stop):
         g = torch.Generator().manual_seed(1000 + step)
         h, y = torch.randn(RESIZE_BATCH, 8, generator=g)[rows], torch.randn(RESIZE_BATCH, 8, generator=g)[rows]
+        device = next(iter(engines.values())).device
+        h, y = h.to(device), y.to(device)
         for engine in engines.values():
             h = engine(h)
         ((h - y)**2).mean().backward()
