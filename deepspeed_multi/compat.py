@@ -352,12 +352,12 @@ def _checked(key: str, func: Callable) -> bool:  # keyed by the function: a swap
 _warned: set = set()
 
 
-def exact(obj, cls, names: Iterable[str], feature: str) -> bool:
+def exact(obj, cls, names: Iterable[str], feature: str, warn: bool = True) -> bool:
     """True if ``obj`` runs DeepSpeed's own, checked ``cls.<name>`` for every name (see the Note).
 
     Overridden (instance attribute or subclass): False, silently. DeepSpeed's method differs
-    from every checked source, or DeepSpeed is outside the supported window: False, and one
-    warning per feature and method names it.
+    from every checked source, or DeepSpeed is outside the supported window: False, and (``warn``)
+    one warning per feature and method names it.
     """
     names = tuple(names)
     for name in names:
@@ -368,7 +368,7 @@ def exact(obj, cls, names: Iterable[str], feature: str) -> bool:
     for name in names:
         if not _unchanged(cls, name):
             key = (feature, cls.__name__, name)
-            if key not in _warned:
+            if warn and key not in _warned:
                 _warned.add(key)
                 logger.warning("deepspeed_multi: fast path %s off: DeepSpeed %s's %s.%s differs from the source it "
                                "was checked against; DeepSpeed's own method runs instead.", feature,
@@ -377,20 +377,11 @@ def exact(obj, cls, names: Iterable[str], feature: str) -> bool:
     return True
 
 
-def unchanged(obj, feature: str) -> bool:
-    """Whether ``obj`` runs the checked source of every method ``feature`` lists, without a warning:
-    for a fast path that relies on another feature's method (that feature warns when it changed)."""
+def fast_path_exact(obj, feature: str, warn: bool = True) -> bool:
+    """:func:`exact` for the methods :data:`FAST_PATH_METHODS` lists under ``feature``. ``warn=False``
+    for a fast path that relies on another feature's methods (that feature warns when they changed)."""
     owner, names = FAST_PATH_METHODS[feature]
-    cls = _class(owner)
-    return fast_paths_allowed() and all(
-        name not in vars(obj) and getattr(type(obj), name, None) is getattr(cls, name, None) and _unchanged(cls, name)
-        for name in names)
-
-
-def fast_path_exact(obj, feature: str) -> bool:
-    """:func:`exact` for the methods :data:`FAST_PATH_METHODS` lists under ``feature``."""
-    owner, names = FAST_PATH_METHODS[feature]
-    return exact(obj, _class(owner), names, feature)
+    return exact(obj, _class(owner), names, feature, warn)
 
 
 # ------------------------------------------------------------------ per-instance replacement

@@ -62,17 +62,18 @@ def install(optimizer) -> dict:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     done = {FEATURE_Z12: False, FEATURE_Z3: False}
-    if not switch_on(BUCKET_SIZE) or not getattr(optimizer, "contiguous_gradients", False):
+    zero12, zero3 = isinstance(optimizer, DeepSpeedZeroOptimizer), isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
+    if not (zero12 or zero3) or not switch_on(BUCKET_SIZE) or not optimizer.contiguous_gradients:
         return done
     elements = bucket_elements(optimizer)
     if elements >= int(optimizer.reduce_bucket_size):
         return done
     # ZeRO-1/2's flush rule is stage12_bucket_pack's method: checked there (and warned about there).
-    if (isinstance(optimizer, DeepSpeedZeroOptimizer) and compat.fast_path_exact(optimizer, FEATURE_Z12)
-            and compat.unchanged(optimizer, "stage12_bucket_pack")):
+    if (zero12 and compat.fast_path_exact(optimizer, FEATURE_Z12)
+            and compat.fast_path_exact(optimizer, "stage12_bucket_pack", warn=False)):
         compat.replace_method(optimizer, _SETUP, _sized_setup_buckets(elements), FEATURE_Z12)
         done[FEATURE_Z12] = True
-    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and compat.fast_path_exact(optimizer, FEATURE_Z3):
+    elif zero3 and compat.fast_path_exact(optimizer, FEATURE_Z3):
         for bucket in optimizer.ipg_buckets.values():
             if bucket.buffer is not None and bucket.buffer.numel() > elements:
                 bucket.buffer = torch.empty(elements, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
