@@ -125,10 +125,6 @@ def count_step(step, warmup=2) -> dict:
             "allocated_mb": counter.factory_bytes / B.MB}
 
 
-def _stage(stages, k):
-    return {"alt": 2 + k % 2, "2": 2, "3": 3}[stages]
-
-
 def _tower_variants(n, wiring, stages):
     import deepspeed
     import deepspeed_multi
@@ -137,7 +133,7 @@ def _tower_variants(n, wiring, stages):
     shape = (growth.MICRO_BS, growth.SEQ, growth.D_ENGINE)
 
     def engines_step(init):
-        engines = [B.build_engine(init, copy.deepcopy(t), B.ds_config(_stage(stages, k)))
+        engines = [B.build_engine(init, copy.deepcopy(t), B.ds_config(growth.STAGES[stages](k)))
                    for k, t in enumerate(towers)]
         return growth.towers_step(engines, wiring, shape)
 
@@ -186,7 +182,7 @@ def counts(engine_counts, stage_sets, rlhf):
 def main():
     ap = B.arg_parser(__doc__)
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--stages", nargs="+", default=["alt", "2", "3"], choices=["alt", "2", "3"])
+    ap.add_argument("--stages", nargs="+", default=["alt", "2", "3"], choices=list(growth.STAGES))
     ap.add_argument("--no-rlhf", action="store_true")
     args = ap.parse_args()
     rows = B.launch(counts, args.engines, args.stages, not args.no_rlhf, timeout_s=3000)[0]

@@ -4,6 +4,7 @@ import os
 
 import atexit
 
+from common import WORLD_SIZE
 from rank_launcher import RankPool, RanksFailed, run_ranks
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DSM_TEST_TIMEOUT", "240"))
@@ -41,7 +42,7 @@ def run_distributed(fn, *args, world_size: int = None, timeout_s: float = DEFAUL
     The ranks are the session's pool, reused from test to test; ``fresh=True`` starts new ranks for
     this run alone (a test that changes process-wide state it cannot undo). ``world_size``
     defaults to common.WORLD_SIZE (2, or DSM_TEST_WORLD_SIZE)."""
-    world_size = world_size or int(os.environ.get("DSM_TEST_WORLD_SIZE", "2"))
+    world_size = world_size or WORLD_SIZE
     try:
         if fresh:
             run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s, rank_setup=_allow_fp16_on_cpu, **kwargs)
