@@ -12,6 +12,7 @@ ZERO12_GRAD_VIEW = "DSM_ZERO12_GRAD_VIEW"  # ZeRO-1/2 update reads its gradient 
 ZERO3_GRAD_VIEW = "DSM_ZERO3_GRAD_VIEW"  # ZeRO-3 update reads its fp32 gradient in place
 ZERO12_OVERFLOW_BY_NORM = "DSM_ZERO12_OVERFLOW_BY_NORM"  # the norm's all-reduce also decides overflow
 BUCKET_SIZE = "DSM_BUCKET_SIZE"  # gradient bucket buffers no larger than the engine's parameters
+MASTER_ALIAS = "DSM_MASTER_ALIAS"  # fp32 ZeRO-3: the optimizer updates the parameter partition, no clone
 # Reliability.
 CHECK_RANK_AGREEMENT = "DSM_CHECK_RANK_AGREEMENT"  # ZeRO-0/1 per-update backward-count comparison
 # DeepSpeed outside the supported window: run anyway, every fast path off (compat.check_deepspeed).
@@ -22,8 +23,8 @@ ALLOW_UNTESTED_TRAINERS = "DSM_ALLOW_UNTESTED_TRAINERS"
 FUSED_REDUCE_BACKEND = "DSM_FUSED_REDUCE"
 BUILD_DIR = "DSM_BUILD_DIR"
 
-ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, BUCKET_SIZE, CHECK_RANK_AGREEMENT,
-       ALLOW_UNSUPPORTED_DEEPSPEED, ALLOW_UNTESTED_TRAINERS, FUSED_REDUCE_BACKEND, BUILD_DIR)
+ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, BUCKET_SIZE, MASTER_ALIAS,
+       CHECK_RANK_AGREEMENT, ALLOW_UNSUPPORTED_DEEPSPEED, ALLOW_UNTESTED_TRAINERS, FUSED_REDUCE_BACKEND, BUILD_DIR)
 
 
 def switch_on(name: str, default: bool = True) -> bool:

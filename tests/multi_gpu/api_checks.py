@@ -338,3 +338,54 @@ def bucket_buffers_sized(stage, dtype, overlap):
     assert allocated and all(n == elements for n in allocated), \
         f"{where}: bucket buffers of {sorted(set(allocated))} elements, want {elements}"
     assert compat.installed(opt, bucket_size.FEATURE_Z3 if stage == 3 else bucket_size.FEATURE_Z12)
+
+
+def master_aliased(sub_group_size):
+    """fp32 ZeRO-3 (deepspeed_multi/zero/master_alias.py): each sub-group's master partition is its
+    parameter partition; AdamW updates are plain PyTorch's and the same bits as DeepSpeed's clone
+    (DSM_MASTER_ALIAS=0); a parameter written under GatheredParameters keeps the write, as in PyTorch."""
+    import os
+    from unittest import mock
+
+    from deepspeed_multi import compat
+    from deepspeed_multi.zero import master_alias
+    gas = 2
+    cfg = ds_config(3, gas=gas)
+    cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+
+    def build():
+        model = MLP(seed=1)
+        return deepspeed_multi.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                          config=cfg)[0]
+
+    engine = build()
+    with mock.patch.dict(os.environ, {"DSM_MASTER_ALIAS": "0"}):
+        clone = build()
+    opt, where = engine.optimizer, f"ZeRO-3 fp32 sub_group_size={sub_group_size}"
+    groups = len(opt.fp32_partitioned_groups_flat)
+    assert groups == 1 if sub_group_size > 280 else groups > 1, f"{where}: {groups} sub-groups"
+    assert compat.installed(opt, master_alias.FEATURE) and not compat.installed(clone.optimizer, master_alias.FEATURE)
+    assert all(opt.fp32_partitioned_groups_flat[i] is opt.fp16_partitioned_groups_flat[i] for i in range(groups)), where
+    assert not any(c is p for c, p in zip(clone.optimizer.fp32_partitioned_groups_flat,
+                                          clone.optimizer.fp16_partitioned_groups_flat)), "the switch must keep the clone"
+    ref = MLP(seed=1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(6):
+        if step == 4:  # a write outside the optimizer, on every rank's copy and on the reference
+            for e in (engine, clone):
+                with deepspeed.zero.GatheredParameters([e.module.fc1.bias], modifier_rank=0):
+                    if dist.get_rank() == 0:
+                        e.module.fc1.bias.data.fill_(0.5)
+            with torch.no_grad():
+                ref.fc1.bias.fill_(0.5)
+        x, y = _batch(step)
+        for e in (engine, clone):
+            ((e(x) - y)**2).mean().backward()
+            e.step()
+        _reference_micro_step(ref, ref_opt, step, gas)
+        if step == 3:  # DeepSpeed's bits until the write
+            ours, theirs = full_params(engine), full_params(clone)
+            assert all(torch.equal(ours[n], theirs[n]) for n in ours), f"{where}: not DeepSpeed's bits"
+    _assert_close(full_params(engine), dict(ref.named_parameters()), where)
+    # DeepSpeed's clone overwrote the write with its master at the next update; ours kept it.
+    assert not torch.allclose(full_params(clone)["fc1.bias"], ref.fc1.bias.detach(), atol=1e-3)

@@ -54,6 +54,12 @@ def test_bucket_buffers_sized_for_the_engine():
     run_distributed(_buckets)
 
 
+@pytest.mark.parametrize("sub_group_size", [10**9, 100])
+def test_fp32_zero3_master_is_the_parameter_partition(sub_group_size):
+    """deepspeed_multi/zero/master_alias.py: [Note: one fp32 partition, not two]."""
+    run_distributed(checks.master_aliased, sub_group_size)
+
+
 def _buckets():
     for stage, dtype, overlap in [(1, "fp32", False), (2, "fp32", False), (2, "fp32", True), (2, "bf16", True),
                                   (3, "fp32", False), (3, "bf16", True)]:
