@@ -28,6 +28,10 @@ import _bench as B
 SIZES = {"small": (256, 4), "large": (512, 8)}
 D_IN, ENC_LAYERS, SEQ, MICRO_BS = 64, 1, 32, 8
 VARIANTS = ["ours (Z2 + Z3)", "super-module (Z3)", "FSDP2"]
+# Ours with the ZeRO-3 LLM's buckets (reduction, prefetch) set to one block's elements, as FSDP2
+# reduces and gathers per block (DeepSpeed's reduce_bucket_size default, 5e8, holds the whole
+# unpartitioned gradient of a smaller model until its backward ends).
+BLOCK_BUCKETS = "ours, block-sized buckets"
 
 
 def _models(size):
@@ -41,53 +45,77 @@ def _batch(i, d, dev):
     return torch.randn(MICRO_BS, SEQ, D_IN, generator=g).to(dev), torch.randn(MICRO_BS, SEQ, d, generator=g).to(dev)
 
 
-def _fsdp2(encoder, llm):
-    """fully_shard per block, then per model root, on a 1-D mesh of every rank."""
+def _fsdp2(encoder, llm, dtype="fp32"):
+    """fully_shard per block, then per model root, on a 1-D mesh of every rank; in bf16 with FSDP2's
+    ``MixedPrecisionPolicy`` (bf16 compute, fp32 sharded parameters and gradient reduction)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(), ))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
+    kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
     for model in (encoder, llm):
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     return torch.optim.AdamW(list(encoder.parameters()) + list(llm.parameters()), lr=1e-4)
 
 
-def _build(variant, size, encoder, llm):
-    """A step callable for ``variant`` built from copies of ``encoder`` and ``llm``."""
+class Variant:
+    """One variant's pieces: ``loss(i)``, ``backward(loss)``, ``update()``; ``holders`` are the
+    engines (or, for FSDP2, the models and the optimizer) that own its tensors."""
+
+    def __init__(self, loss, backward, update, holders):
+        self.loss, self.backward, self.update, self.holders = loss, backward, update, holders
+
+    def step(self, i):
+        self.backward(self.loss(i))
+        self.update()
+
+
+def build_variant(variant, size, encoder, llm, dtype="fp32") -> Variant:
+    """``variant`` built from copies of ``encoder`` and ``llm``, trained in ``dtype`` (fp32 or bf16)."""
     import deepspeed
     import deepspeed_multi
     dev = B.device()
     d = SIZES[size][0]
     encoder, llm = copy.deepcopy(encoder).to(dev), copy.deepcopy(llm).to(dev)
+    mse = lambda out, y: ((out.float() - y)**2).mean()  # noqa: E731
     if variant.startswith("ours"):
-        enc = B.build_engine(deepspeed_multi.initialize, encoder, B.ds_config(2, micro_bs=MICRO_BS))
-        big = B.build_engine(deepspeed_multi.initialize, llm, B.ds_config(3, micro_bs=MICRO_BS))
+        enc = B.build_engine(deepspeed_multi.initialize, encoder, B.ds_config(2, dtype, micro_bs=MICRO_BS))
+        cfg = B.ds_config(3, dtype, micro_bs=MICRO_BS)
+        if variant == BLOCK_BUCKETS:
+            block = B.n_params(llm.blocks[0])
+            cfg["zero_optimization"].update(reduce_bucket_size=block, stage3_prefetch_bucket_size=block)
+        big = B.build_engine(deepspeed_multi.initialize, llm, cfg)
 
-        def step(i):
+        def loss(i):
             x, y = _batch(i, d, dev)
-            ((big(enc(x)) - y)**2).mean().backward()
-            enc.step()
-            big.step()
-        return step
+            return mse(big(enc(x)), y)
+        return Variant(loss, lambda l: l.backward(), lambda: (enc.step(), big.step()), [enc, big])
     if variant.startswith("super"):
-        engine = B.build_engine(deepspeed.initialize, B.Chain(encoder, llm), B.ds_config(3, micro_bs=MICRO_BS))
+        engine = B.build_engine(deepspeed.initialize, B.Chain(encoder, llm), B.ds_config(3, dtype, micro_bs=MICRO_BS))
 
-        def step(i):
+        def loss(i):
             x, y = _batch(i, d, dev)
-            engine.backward(((engine(x) - y)**2).mean())
-            engine.step()
-        return step
-    opt = _fsdp2(encoder, llm)
+            return mse(engine(x), y)
+        return Variant(loss, engine.backward, engine.step, [engine])
+    opt = _fsdp2(encoder, llm, dtype)
 
-    def step(i):
+    def loss(i):
         x, y = _batch(i, d, dev)
-        ((llm(encoder(x)) - y)**2).mean().backward()
+        return mse(llm(encoder(x)), y)
+
+    def update():
         opt.step()
         opt.zero_grad()
-    return step
+    return Variant(loss, lambda l: l.backward(), update, [encoder, llm, opt])
+
+
+def _build(variant, size, encoder, llm, dtype="fp32"):
+    """A step callable for ``variant`` (see :func:`build_variant`)."""
+    return build_variant(variant, size, encoder, llm, dtype).step
 
 
 def timing(sizes, warmup, steps):

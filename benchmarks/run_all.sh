@@ -10,7 +10,7 @@ if [ "$python_has_cuda" = "0" ]; then export DS_ACCELERATOR=cpu; fi
 mkdir -p benchmarks/results
 summary=benchmarks/results/summary.txt
 : > "$summary"
-for b in overhead zero3_grad_view two_engines distillation rlhf_step peers parts growth counts dpo_roles; do
+for b in overhead zero3_grad_view two_engines distillation rlhf_step peers memory_breakdown parts growth counts dpo_roles; do
   echo "=== benchmarks/$b.py $*"
   start=$(date +%s)
   "$PY" benchmarks/$b.py "$@" | tee benchmarks/results/$b.txt

@@ -1,0 +1,261 @@
+"""Where a rank's memory goes, by buffer: ours, the super-module and FSDP2 on encoder -> LLM.
+
+The workload is peers.py's (encoder ZeRO-2 -> LLM ZeRO-3 for ours, at DeepSpeed's default bucket
+sizes and with the LLM's reduction and prefetch buckets set to one block; one upstream ZeRO-3
+engine for the super-module; ``fully_shard`` per block for FSDP2; AdamW, both models trained), in fp32 and in
+bf16 (DeepSpeed's ``bf16`` section; FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then:
+
+* state: every tensor alive after the last ``backward`` (before ``step()``: parameters, gradients
+  and optimizer states are all alive then, as at a GPU's usual peak), counted once per storage and put in one
+  bucket by the attribute that holds it (walked from the engines' modules and ZeRO optimizers, or
+  FSDP2's modules and optimizer):
+
+  - parameters: what the model computes with (ZeRO-3: the partitions and what stays gathered;
+    ZeRO-1/2: the full flat buffer; FSDP2: the sharded parameters);
+  - fp32 master: the optimizer's own fp32 partition where it is a separate buffer;
+  - gradients: gradient partitions / flat buffers (FSDP2: its sharded ``.grad``, None after
+    ``zero_grad()``);
+  - buckets: reduction / all-gather buckets;
+  - optimizer states: AdamW's ``exp_avg`` and ``exp_avg_sq`` (and ``step``);
+  - other: everything else alive that the walk does not name (reported by attribute name);
+
+* activations: the tensors the autograd graph of the last forward saved for backward (walked
+  from the loss before ``backward``), not counted above;
+* peak RSS: the process's resident high-water mark above its resident set before the build
+  (what peers.py reports); "RSS not counted" is peak RSS minus the two above: tensors alive only
+  inside forward/backward/step (gathered ZeRO-3 blocks, buckets in flight, the flattened copies
+  of the update), the allocator's slack and fragmentation. It is negative where a counted buffer
+  was allocated and never touched: not resident on a CPU, allocated in full on a GPU.
+
+Counted bytes are exact and hardware-independent; RSS is this machine's. Max over ranks.
+
+Prints a table; writes benchmarks/results/memory_breakdown.json and .png.
+
+Usage: python benchmarks/memory_breakdown.py [--sizes small large] [--dtypes fp32 bf16]
+"""
+from __future__ import annotations
+
+import gc
+
+import _bench as B
+import peers
+
+CATEGORIES = ("parameters", "fp32 master", "gradients", "buckets", "optimizer states", "other")
+# ZeRO optimizer attributes (DeepSpeed 0.19) -> bucket; anything else holding a tensor is "other: <name>".
+_ATTRS = {
+    "bit16_groups_flat": "parameters", "parallel_partitioned_bit16_groups": "parameters",
+    "bit16_groups": "parameters", "fp16_partitioned_groups_flat": "parameters",
+    "fp16_partitioned_groups": "parameters", "fp16_groups": "parameters",
+    "single_partition_of_fp32_groups": "fp32 master", "fp32_partitioned_groups_flat": "fp32 master",
+    "grads_in_partition": "gradients", "averaged_gradients": "gradients", "all_grad_tensors": "gradients",
+    "grad_partitions_flat_buffer": "gradients",
+    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition": "gradients",
+    "ipg_buckets": "buckets", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer": "buckets",
+}
+
+
+class _Ledger:
+    """Storages seen so far (by data pointer) and the bucket each one was first put in."""
+
+    def __init__(self):
+        self.owner = {}  # data_ptr -> (category, detail)
+        self.nbytes = {}
+
+    def add(self, t, category, detail=""):
+        import torch
+        if not isinstance(t, torch.Tensor):
+            return
+        local = getattr(t, "_local_tensor", None)  # a DTensor: its shard
+        t = t if local is None else local
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        ptr = storage.data_ptr()
+        if storage.nbytes() == 0 or ptr in self.owner:
+            return
+        self.owner[ptr] = (category, detail)
+        self.nbytes[ptr] = storage.nbytes()
+
+    def walk(self, obj, category, detail="", depth=0):
+        import torch
+        if isinstance(obj, torch.Tensor):
+            self.add(obj, category, detail)
+            ds = getattr(obj, "ds_tensor", None)
+            if ds is not None:
+                self.add(ds, category, detail)
+            if obj.grad is not None:
+                self.add(obj.grad, "gradients", detail)
+        elif depth < 4 and isinstance(obj, dict):
+            for v in obj.values():
+                self.walk(v, category, detail, depth + 1)
+        elif depth < 4 and isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                self.walk(v, category, detail, depth + 1)
+        elif depth < 4 and hasattr(obj, "buffer") and hasattr(obj, "elements"):  # an IPG bucket
+            self.walk(obj.buffer, category, detail, depth + 1)
+
+    def totals(self):
+        out = {}
+        for ptr, (category, detail) in self.owner.items():
+            key = category if category != "other" else f"other: {detail}"
+            out[key] = out.get(key, 0) + self.nbytes[ptr]
+        return out
+
+
+def _walk_zero_optimizer(ledger, opt):
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None and hasattr(inner, "state"):
+        for state in inner.state.values():
+            ledger.walk(state, "optimizer states", "AdamW")
+    for name, value in vars(opt).items():
+        category = _ATTRS.get(name)
+        if category is not None:
+            ledger.walk(value, category, name)
+    for name, value in vars(opt).items():  # what the names above do not cover, by attribute
+        if name not in _ATTRS and name != "optimizer":
+            ledger.walk(value, "other", f"{type(opt).__name__}.{name}")
+
+
+def persistent(variant, unnamed=True) -> "_Ledger":
+    """Tensors alive now, by bucket (see the module doc); ``unnamed``: also every other live tensor
+    (tensors that autograd saved and Python also holds are among them while a graph is alive)."""
+    import torch
+    gc.collect()
+    ledger = _Ledger()
+    for holder in variant.holders:
+        if isinstance(holder, torch.optim.Optimizer):  # FSDP2's
+            for state in holder.state.values():
+                ledger.walk(state, "optimizer states", "AdamW")
+            continue
+        module = getattr(holder, "module", holder)
+        for p in module.parameters():
+            ledger.walk(p, "parameters", "module parameters")
+        opt = getattr(holder, "optimizer", None)
+        if opt is not None:
+            _walk_zero_optimizer(ledger, opt)
+    for obj in gc.get_objects() if unnamed else ():  # every other live tensor
+        if isinstance(obj, torch.Tensor):
+            ledger.add(obj, "other", "unnamed tensors")
+    return ledger
+
+
+def activations(loss, known) -> int:
+    """Bytes of the tensors saved for backward in ``loss``'s graph, not already in ``known``."""
+    import torch
+    seen, stack, total, counted = set(), [loss.grad_fn], 0, set(known.owner)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # freed
+                    continue
+                for t in value if isinstance(value, (list, tuple)) else (value, ):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr not in counted:
+                            counted.add(ptr)
+                            total += t.untyped_storage().nbytes()
+        stack.extend(n for n, _ in node.next_functions)
+    return total
+
+
+def breakdown(size, variant_name, dtype, steps=3) -> dict:
+    import deepspeed.comm as dist
+    mem = B.PeakMemory()
+    variant = peers.build_variant(variant_name, size, *peers._models(size), dtype)  # the originals are dropped
+    for i in range(steps - 1):
+        variant.step(i)
+    loss = variant.loss(steps - 1)
+    acts = activations(loss, persistent(variant, unnamed=False))
+    variant.backward(loss)
+    del loss
+    totals = persistent(variant).totals()  # gradients, parameters and optimizer states all alive
+    variant.update()
+    peak = mem.peak_mb()
+    row = {"size": size, "variant": variant_name, "dtype": dtype, "peak_rss_mb": peak,
+           "activations_mb": acts / B.MB, "by_buffer_mb": {k: v / B.MB for k, v in totals.items()}}
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    keys = set().union(*(r["by_buffer_mb"] for r in rows))
+    row["by_buffer_mb"] = {k: max(r["by_buffer_mb"].get(k, 0.0) for r in rows) for k in keys}
+    row["activations_mb"] = max(r["activations_mb"] for r in rows)
+    return row
+
+
+def _column(row, category):
+    return sum(v for k, v in row["by_buffer_mb"].items() if k == category or (category == "other" and
+                                                                             k.startswith("other")))
+
+
+def main():
+    ap = B.arg_parser(__doc__)
+    ap.add_argument("--sizes", nargs="+", default=list(peers.SIZES), choices=list(peers.SIZES))
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    args = ap.parse_args()
+    variants = peers.VARIANTS[:1] + [peers.BLOCK_BUCKETS] + peers.VARIANTS[1:]
+    rows = [B.launch(breakdown, s, v, dt)[0] for s in args.sizes for dt in args.dtypes for v in variants]
+    table_rows = []
+    for r in rows:
+        state = sum(r["by_buffer_mb"].values())
+        fsdp = next(x for x in rows if x["size"] == r["size"] and x["dtype"] == r["dtype"] and x["variant"] == "FSDP2")
+        fsdp_state = sum(fsdp["by_buffer_mb"].values())
+        r["state_mb"] = state
+        r["unattributed_mb"] = r["peak_rss_mb"] - state - r["activations_mb"]
+        table_rows.append([r["size"], r["dtype"], r["variant"]] + [f"{_column(r, c):.1f}" for c in CATEGORIES]
+                          + [f"{state:.1f}", f"{state / fsdp_state:.2f}", f"{r['activations_mb']:.1f}",
+                             f"{r['peak_rss_mb']:.1f}", f"{r['peak_rss_mb'] / fsdp['peak_rss_mb']:.2f}",
+                             f"{r['unattributed_mb']:.1f}"])
+    table = B.fmt_table(["size", "dtype", "variant"] + [f"{c} MiB" for c in CATEGORIES]
+                        + ["state MiB", "state / FSDP2", "activations MiB", "peak RSS MiB", "peak / FSDP2",
+                           "RSS not counted MiB"], table_rows)
+    others = sorted({k for r in rows for k in r["by_buffer_mb"] if k.startswith("other")})
+    detail = B.fmt_table(["size", "dtype", "variant"] + others,
+                         [[r["size"], r["dtype"], r["variant"]] + [f"{r['by_buffer_mb'].get(k, 0.0):.1f}" for k in others]
+                          for r in rows]) if others else ""
+    print(f"\nPer rank after step 3 (max over {B.WORLD_SIZE} ranks on {B.device().type}); state = the buckets' "
+          f"sum; peak = {B.memory_kind()}\n")
+    print(table)
+    if detail:
+        print("\n'other', by the attribute that holds it:\n")
+        print(detail)
+    result = "RESULT " + " ".join(
+        f"{key}_vs_fsdp2_{r['size']}_{r['dtype']}{'_block' if r['variant'] == peers.BLOCK_BUCKETS else ''}="
+        f"{r[field] / f[field]:.2f}"
+        for r in rows if r["variant"].startswith("ours")
+        for f in rows if f["variant"] == "FSDP2" and f["size"] == r["size"] and f["dtype"] == r["dtype"]
+        for key, field in (("state", "state_mb"), ("peak", "peak_rss_mb")))
+    print(result)
+
+    def plot(plt):
+        import numpy as np
+        fig, ax = plt.subplots(figsize=(11, 4))
+        short = {peers.VARIANTS[0]: "ours", peers.BLOCK_BUCKETS: "ours, block", peers.VARIANTS[1]: "super",
+                 peers.VARIANTS[2]: "FSDP2"}
+        labels = [f"{r['size']} {r['dtype']}\n{short[r['variant']]}" for r in rows]
+        bottom = np.zeros(len(rows))
+        for c in CATEGORIES:
+            vals = np.array([_column(r, c) for r in rows])
+            ax.bar(labels, vals, bottom=bottom, label=c)
+            bottom += vals
+        acts = np.array([r["activations_mb"] for r in rows])
+        ax.bar(labels, acts, bottom=bottom, label="activations")
+        ax.scatter(labels, [r["peak_rss_mb"] for r in rows], color="k", marker="_", s=300, label="peak RSS", zorder=3)
+        ax.set_ylabel("MiB per rank")
+        ax.set_title("Encoder -> LLM: memory per rank by buffer (after a step) and peak RSS")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7, ncol=2)
+        return fig
+
+    shown = table + (f"\n\n'other', by the attribute that holds it:\n\n{detail}" if detail else "")
+    B.save("memory_breakdown", {"meta": B.meta(), "rows": rows, "table": shown, "result": result}, plot)
+
+
+if __name__ == "__main__":
+    main()
