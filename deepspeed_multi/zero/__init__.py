@@ -13,7 +13,8 @@ feature                stages      what it replaces
 =====================  ==========  ==================================================================
 stage12_bucket_size    1, 2        bucket buffers of reduce_bucket_size elements, allocated every window
 stage3_bucket_size     3           the bucket buffer of reduce_bucket_size elements (both: bucket_size)
-stage3_master_alias    3           the fp32 master partition cloned from fp32 parameters (master_alias)
+stage12_master_alias   1, 2        the fp32 master partition cloned from fp32 parameters
+stage3_master_alias    3           the fp32 master partition cloned from fp32 parameters (both: master_alias)
 stage12_hook_count     1, 2        the per-backward used-parameter count in DeepSpeed's grad hooks
 stage3_grad_view       3           the flattened copy of the fp32 gradient before each sub-group step
 stage12_grad_view      1, 2        the flattened copy of the gradient partition before the update
@@ -48,7 +49,7 @@ def install(optimizer, fused_reduce: bool) -> dict:
     done = {stage3_predivide.FEATURE: stage3_predivide.install(optimizer),
             offload_grads.FEATURE: offload_grads.install(optimizer)}
     done.update(bucket_size.install(optimizer))  # before stage12_bucket_pack replaces the flush method it checks
-    done[master_alias.FEATURE] = master_alias.install(optimizer)
+    done.update(master_alias.install(optimizer))
     for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})

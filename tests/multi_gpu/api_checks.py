@@ -340,17 +340,18 @@ def bucket_buffers_sized(stage, dtype, overlap):
     assert compat.installed(opt, bucket_size.FEATURE_Z3 if stage == 3 else bucket_size.FEATURE_Z12)
 
 
-def master_aliased(sub_group_size):
-    """fp32 ZeRO-3 (deepspeed_multi/zero/master_alias.py): each sub-group's master partition is its
+def master_aliased(stage, sub_group_size, path):
+    """fp32 ZeRO-1/2/3 (deepspeed_multi/zero/master_alias.py): each master partition is this rank's
     parameter partition; AdamW updates are plain PyTorch's and the same bits as DeepSpeed's clone
-    (DSM_MASTER_ALIAS=0); a parameter written under GatheredParameters keeps the write, as in PyTorch."""
+    (DSM_MASTER_ALIAS=0); a parameter written outside the optimizer keeps the write, as in PyTorch;
+    a checkpoint saves this rank's master slice, not the flat buffer behind it."""
     import os
     from unittest import mock
 
     from deepspeed_multi import compat
     from deepspeed_multi.zero import master_alias
     gas = 2
-    cfg = ds_config(3, gas=gas)
+    cfg = ds_config(stage, gas=gas)
     cfg["zero_optimization"]["sub_group_size"] = sub_group_size
 
     def build():
@@ -361,20 +362,26 @@ def master_aliased(sub_group_size):
     engine = build()
     with mock.patch.dict(os.environ, {"DSM_MASTER_ALIAS": "0"}):
         clone = build()
-    opt, where = engine.optimizer, f"ZeRO-3 fp32 sub_group_size={sub_group_size}"
-    groups = len(opt.fp32_partitioned_groups_flat)
-    assert groups == 1 if sub_group_size > 280 else groups > 1, f"{where}: {groups} sub-groups"
-    assert compat.installed(opt, master_alias.FEATURE) and not compat.installed(clone.optimizer, master_alias.FEATURE)
-    assert all(opt.fp32_partitioned_groups_flat[i] is opt.fp16_partitioned_groups_flat[i] for i in range(groups)), where
-    assert not any(c is p for c, p in zip(clone.optimizer.fp32_partitioned_groups_flat,
-                                          clone.optimizer.fp16_partitioned_groups_flat)), "the switch must keep the clone"
+    opt, where = engine.optimizer, f"ZeRO-{stage} fp32 sub_group_size={sub_group_size}"
+    feature = master_alias.FEATURE if stage == 3 else master_alias.FEATURE_Z12
+    assert compat.installed(opt, feature) and not compat.installed(clone.optimizer, feature), where
+
+    def pairs(o):  # (master, parameter partition) per group
+        if stage == 3:
+            return list(zip(o.fp32_partitioned_groups_flat, o.fp16_partitioned_groups_flat))
+        rank = dist.get_rank()
+        return [(m, flat[rank]) for m, flat in zip(o.single_partition_of_fp32_groups, o.parallel_partitioned_bit16_groups)]
+
+    assert len(pairs(opt)) == 1 if stage < 3 or sub_group_size > 280 else len(pairs(opt)) > 1, where
+    assert all(m.data_ptr() == p.data_ptr() for m, p in pairs(opt)), f"{where}: the master is not the partition"
+    assert not any(m.data_ptr() == p.data_ptr() for m, p in pairs(clone.optimizer)), "the switch must keep the clone"
     ref = MLP(seed=1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     for step in range(6):
         if step == 4:  # a write outside the optimizer, on every rank's copy and on the reference
             for e in (engine, clone):
                 with deepspeed.zero.GatheredParameters([e.module.fc1.bias], modifier_rank=0):
-                    if dist.get_rank() == 0:
+                    if dist.get_rank() == 0 or stage < 3:
                         e.module.fc1.bias.data.fill_(0.5)
             with torch.no_grad():
                 ref.fc1.bias.fill_(0.5)
@@ -388,4 +395,16 @@ def master_aliased(sub_group_size):
             assert all(torch.equal(ours[n], theirs[n]) for n in ours), f"{where}: not DeepSpeed's bits"
     _assert_close(full_params(engine), dict(ref.named_parameters()), where)
     # DeepSpeed's clone overwrote the write with its master at the next update; ours kept it.
-    assert not torch.allclose(full_params(clone)["fc1.bias"], ref.fc1.bias.detach(), atol=1e-3)
+    assert not torch.allclose(full_params(clone)["fc1.bias"], ref.fc1.bias.detach(), atol=1e-3), where
+    if stage < 3:
+        engine.save_checkpoint(path, tag="alias")
+        dist.barrier()
+        saved = torch.load(os.path.join(path, "alias", f"zero_pp_rank_{dist.get_rank()}_mp_rank_00_optim_states.pt"),
+                           weights_only=False)["optimizer_state_dict"][master_alias._SD_KEY]
+        assert all(t.untyped_storage().nbytes() == t.numel() * 4 for t in saved), \
+            f"{where}: the checkpoint holds {[t.untyped_storage().nbytes() for t in saved]} bytes for the master"
+        restored = build()
+        restored.load_checkpoint(path, tag="alias")
+        ours, back = full_params(engine), full_params(restored)
+        assert all(torch.equal(ours[n], back[n]) for n in ours), f"{where}: checkpoint round trip"
+        assert compat.installed(restored.optimizer, feature)

@@ -54,10 +54,10 @@ def test_bucket_buffers_sized_for_the_engine():
     run_distributed(_buckets)
 
 
-@pytest.mark.parametrize("sub_group_size", [10**9, 100])
-def test_fp32_zero3_master_is_the_parameter_partition(sub_group_size):
+@pytest.mark.parametrize("stage, sub_group_size", [(1, 10**9), (2, 10**9), (3, 10**9), (3, 100)])
+def test_fp32_master_is_the_parameter_partition(stage, sub_group_size, tmp_path):
     """deepspeed_multi/zero/master_alias.py: [Note: one fp32 partition, not two]."""
-    run_distributed(checks.master_aliased, sub_group_size)
+    run_distributed(checks.master_aliased, stage, sub_group_size, str(tmp_path))
 
 
 def _buckets():
