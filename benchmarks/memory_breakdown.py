@@ -22,11 +22,15 @@ reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then
 
 * activations: the tensors the autograd graph of the last forward saved for backward (walked
   from the loss before ``backward``), not counted above;
-* peak RSS: the process's resident high-water mark above its resident set before the build
-  (what peers.py reports); "RSS not counted" is peak RSS minus the two above: tensors alive only
-  inside forward/backward/step (gathered ZeRO-3 blocks, buckets in flight, the flattened copies
-  of the update), the allocator's slack and fragmentation. It is negative where a counted buffer
-  was allocated and never touched: not resident on a CPU, allocated in full on a GPU.
+* peak live: the last step runs under torch.profiler's memory timeline, which follows every
+  tensor the step touches or allocates (activations, gathered ZeRO-3 blocks, buckets, the
+  optimizer's temporaries); the largest total alive at once, and the phase (forward, backward,
+  step) it falls in. A tensor the step never touches is not in it. On a GPU this is what
+  ``max_memory_allocated`` measures; the profiler's category of each byte at the peak is in the JSON;
+* peak RSS: the process's resident high-water mark above its resident set before the build (what
+  peers.py reports), over the steps before the profiled one (the profiler's records are resident
+  too): peak live plus the CPU allocator's slack, minus buffers never touched (not resident on a
+  CPU; a GPU allocates them in full).
 
 Counted bytes are exact and hardware-independent; RSS is this machine's. Max over ranks.
 
@@ -166,26 +170,64 @@ def activations(loss, known) -> int:
     return total
 
 
+_PROFILER_CATEGORIES = ("parameter", "optimizer state", "input", "temporary", "activation", "gradient",
+                        "autograd detail", "unknown")  # torch.profiler._memory_profiler's order
+
+
+def _phase_of(prof, t_us):
+    """The ``phase:*`` record_function range holding ``t_us`` (profiler-relative microseconds)."""
+    for ev in prof.events():
+        if ev.name.startswith("phase:") and ev.time_range.start <= t_us <= ev.time_range.end:
+            return ev.name.split(":", 1)[1]
+    return "between phases"
+
+
+def profiled_step(variant, i, device):
+    """Step ``i`` under torch.profiler's memory timeline: the state and activations (see the module
+    doc) and the peak of live tensors, with the phase it falls in and the profiler's category of
+    each byte at that moment."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    out = {}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        with record_function("phase:forward"):
+            loss = variant.loss(i)
+        out["activations"] = activations(loss, persistent(variant, unnamed=False))
+        with record_function("phase:backward"):
+            variant.backward(loss)
+        del loss
+        out["state"] = persistent(variant).totals()  # gradients, parameters and optimizer states all alive
+        with record_function("phase:step"):
+            variant.update()
+    times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
+    sizes = np.array(sizes)[:, 1:]
+    peak = int(sizes.sum(axis=1).argmax())
+    start_us = prof.profiler.kineto_results.trace_start_ns() / 1000
+    out["peak_live"] = int(sizes[peak].sum())
+    out["peak_phase"] = _phase_of(prof, times[peak] - start_us)
+    out["peak_by_category"] = {c: int(v) for c, v in zip(_PROFILER_CATEGORIES, sizes[peak]) if v}
+    return out
+
+
 def breakdown(size, variant_name, dtype, steps=3) -> dict:
     import deepspeed.comm as dist
     mem = B.PeakMemory()
     variant = peers.build_variant(variant_name, size, *peers._models(size), dtype)  # the originals are dropped
     for i in range(steps - 1):
         variant.step(i)
-    loss = variant.loss(steps - 1)
-    acts = activations(loss, persistent(variant, unnamed=False))
-    variant.backward(loss)
-    del loss
-    totals = persistent(variant).totals()  # gradients, parameters and optimizer states all alive
-    variant.update()
-    peak = mem.peak_mb()
+    peak = mem.peak_mb()  # before the profiled step: the profiler's own records are resident memory too
+    step = profiled_step(variant, steps - 1, B.device())
     row = {"size": size, "variant": variant_name, "dtype": dtype, "peak_rss_mb": peak,
-           "activations_mb": acts / B.MB, "by_buffer_mb": {k: v / B.MB for k, v in totals.items()}}
+           "activations_mb": step["activations"] / B.MB, "by_buffer_mb": {k: v / B.MB for k, v in step["state"].items()},
+           "peak_live_mb": step["peak_live"] / B.MB, "peak_phase": step["peak_phase"],
+           "peak_live_by_category_mb": {k: v / B.MB for k, v in step["peak_by_category"].items()}}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     keys = set().union(*(r["by_buffer_mb"] for r in rows))
     row["by_buffer_mb"] = {k: max(r["by_buffer_mb"].get(k, 0.0) for r in rows) for k in keys}
-    row["activations_mb"] = max(r["activations_mb"] for r in rows)
+    for key in ("activations_mb", "peak_live_mb"):
+        row[key] = max(r[key] for r in rows)
     return row
 
 
@@ -207,14 +249,14 @@ def main():
         fsdp = next(x for x in rows if x["size"] == r["size"] and x["dtype"] == r["dtype"] and x["variant"] == "FSDP2")
         fsdp_state = sum(fsdp["by_buffer_mb"].values())
         r["state_mb"] = state
-        r["unattributed_mb"] = r["peak_rss_mb"] - state - r["activations_mb"]
         table_rows.append([r["size"], r["dtype"], r["variant"]] + [f"{_column(r, c):.1f}" for c in CATEGORIES]
                           + [f"{state:.1f}", f"{state / fsdp_state:.2f}", f"{r['activations_mb']:.1f}",
-                             f"{r['peak_rss_mb']:.1f}", f"{r['peak_rss_mb'] / fsdp['peak_rss_mb']:.2f}",
-                             f"{r['unattributed_mb']:.1f}"])
+                             f"{r['peak_live_mb']:.1f} ({r['peak_phase']})",
+                             f"{r['peak_live_mb'] / fsdp['peak_live_mb']:.2f}",
+                             f"{r['peak_rss_mb']:.1f}", f"{r['peak_rss_mb'] / fsdp['peak_rss_mb']:.2f}"])
     table = B.fmt_table(["size", "dtype", "variant"] + [f"{c} MiB" for c in CATEGORIES]
-                        + ["state MiB", "state / FSDP2", "activations MiB", "peak RSS MiB", "peak / FSDP2",
-                           "RSS not counted MiB"], table_rows)
+                        + ["state MiB", "state / FSDP2", "activations MiB", "peak live MiB (phase)",
+                           "peak live / FSDP2", "peak RSS MiB", "peak RSS / FSDP2"], table_rows)
     others = sorted({k for r in rows for k in r["by_buffer_mb"] if k.startswith("other")})
     detail = B.fmt_table(["size", "dtype", "variant"] + others,
                          [[r["size"], r["dtype"], r["variant"]] + [f"{r['by_buffer_mb'].get(k, 0.0):.1f}" for k in others]

@@ -33,9 +33,10 @@ SECTIONS = [
      "peers.py's workload in fp32 and bf16 (FSDP2 with `MixedPrecisionPolicy(param_dtype=bf16, "
      "reduce_dtype=fp32)`), each variant alone in fresh processes: the tensors alive after the last backward "
      "(before `step()`), counted once per storage and put in a bucket by the attribute that holds them, the "
-     "tensors the last forward saved for backward, and the peak resident memory. Counted bytes are exact and "
-     "machine-independent; a buffer allocated and never touched counts in full (a GPU allocates it) but is not "
-     "resident on this CPU (negative 'RSS not counted'). 'ours, block-sized buckets' sets the LLM's "
+     "tensors the last forward saved for backward, the peak of live tensors in a step (torch.profiler's memory timeline) "
+     "and the phase it falls in, and the peak resident memory. "
+     "Counted bytes are exact and machine-independent; a buffer allocated and never touched counts in full (a GPU "
+     "allocates it) but is not resident on this CPU. 'ours, block-sized buckets' sets the LLM's "
      "`reduce_bucket_size` and `stage3_prefetch_bucket_size` to one block's elements, as FSDP2 works per block."),
     ("parts", "One model, several ZeRO stages: the LLM at ZeRO-3 inside one model",
      "Vision tower -> projector -> LLM as one `nn.Module` under one loss: ours (`deepspeed_multi.submodules` puts "
