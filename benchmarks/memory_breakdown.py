@@ -22,11 +22,12 @@ reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then
 
 * activations: the tensors the autograd graph of the last forward saved for backward (walked
   from the loss before ``backward``), not counted above;
-* peak live: the last step runs under torch.profiler's memory timeline, which follows every
-  tensor the step touches or allocates (activations, gathered ZeRO-3 blocks, buckets, the
-  optimizer's temporaries); the largest total alive at once, and the phase (forward, backward,
-  step) it falls in. A tensor the step never touches is not in it. On a GPU this is what
-  ``max_memory_allocated`` measures; the profiler's category of each byte at the peak is in the JSON;
+* peak live: every tensor alive when the last step starts (counted as above, plus every other
+  live tensor) and the largest net growth of allocated bytes during the step (torch.profiler's
+  allocation events: activations, gathered ZeRO-3 blocks, buckets, the optimizer's temporaries),
+  with the phase (forward, backward, step) where it peaks. A free of a tensor from before the step
+  is not in the profiler's record, so this is an upper bound. On a GPU it is what
+  ``max_memory_allocated`` measures;
 * peak RSS: the process's resident high-water mark above its resident set before the build (what
   peers.py reports), over the steps before the profiled one (the profiler's records are resident
   too): peak live plus the CPU allocator's slack, minus buffers never touched (not resident on a
@@ -170,10 +171,6 @@ def activations(loss, known) -> int:
     return total
 
 
-_PROFILER_CATEGORIES = ("parameter", "optimizer state", "input", "temporary", "activation", "gradient",
-                        "autograd detail", "unknown")  # torch.profiler._memory_profiler's order
-
-
 def _phase_of(prof, t_us):
     """The ``phase:*`` record_function range holding ``t_us`` (profiler-relative microseconds)."""
     for ev in prof.events():
@@ -182,15 +179,28 @@ def _phase_of(prof, t_us):
     return "between phases"
 
 
-def profiled_step(variant, i, device):
-    """Step ``i`` under torch.profiler's memory timeline: the state and activations (see the module
-    doc) and the peak of live tensors, with the phase it falls in and the profiler's category of
-    each byte at that moment."""
-    import numpy as np
+def _allocations(prof):
+    """The profiler's allocation events (bytes: + allocated, - freed), in time order."""
+    from torch._C._profiler import _EventType
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    events = [e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation]
+    return sorted(events, key=lambda e: e.start_time_ns)
+
+
+def profiled_step(variant, i):
+    """Step ``i`` with the profiler recording every allocation and free: the state and activations
+    (see the module doc), and the largest net growth of allocated bytes over the step, with the
+    phase it falls in. A free of a tensor from before the step is not recorded (the profiler does
+    not know its size), so the growth is an upper bound."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
     out = {}
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if B.device().type == "cuda" else [])],
+                 profile_memory=True) as prof:
         with record_function("phase:forward"):
             loss = variant.loss(i)
         out["activations"] = activations(loss, persistent(variant, unnamed=False))
@@ -200,13 +210,17 @@ def profiled_step(variant, i, device):
         out["state"] = persistent(variant).totals()  # gradients, parameters and optimizer states all alive
         with record_function("phase:step"):
             variant.update()
-    times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
-    sizes = np.array(sizes)[:, 1:]
-    peak = int(sizes.sum(axis=1).argmax())
-    start_us = prof.profiler.kineto_results.trace_start_ns() / 1000
-    out["peak_live"] = int(sizes[peak].sum())
-    out["peak_phase"] = _phase_of(prof, times[peak] - start_us)
-    out["peak_by_category"] = {c: int(v) for c, v in zip(_PROFILER_CATEGORIES, sizes[peak]) if v}
+    net = peak = 0
+    at = None
+    for e in _allocations(prof):
+        if e.extra_fields.device.type != B.device().type:
+            continue
+        net += e.extra_fields.alloc_size
+        if net > peak:
+            peak, at = net, e.start_time_ns
+    out["growth"] = peak
+    start_ns = prof.profiler.kineto_results.trace_start_ns()
+    out["peak_phase"] = "-" if at is None else _phase_of(prof, (at - start_ns) / 1000)
     return out
 
 
@@ -217,16 +231,18 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
     for i in range(steps - 1):
         variant.step(i)
     peak = mem.peak_mb()  # before the profiled step: the profiler's own records are resident memory too
-    step = profiled_step(variant, steps - 1, B.device())
+    gc.collect()
+    live = sum(persistent(variant).totals().values())
+    step = profiled_step(variant, steps - 1)
     row = {"size": size, "variant": variant_name, "dtype": dtype, "peak_rss_mb": peak,
            "activations_mb": step["activations"] / B.MB, "by_buffer_mb": {k: v / B.MB for k, v in step["state"].items()},
-           "peak_live_mb": step["peak_live"] / B.MB, "peak_phase": step["peak_phase"],
-           "peak_live_by_category_mb": {k: v / B.MB for k, v in step["peak_by_category"].items()}}
+           "live_at_step_start_mb": live / B.MB, "step_growth_mb": step["growth"] / B.MB,
+           "peak_live_mb": (live + step["growth"]) / B.MB, "peak_phase": step["peak_phase"]}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     keys = set().union(*(r["by_buffer_mb"] for r in rows))
     row["by_buffer_mb"] = {k: max(r["by_buffer_mb"].get(k, 0.0) for r in rows) for k in keys}
-    for key in ("activations_mb", "peak_live_mb"):
+    for key in ("activations_mb", "live_at_step_start_mb", "step_growth_mb", "peak_live_mb"):
         row[key] = max(r[key] for r in rows)
     return row
 
@@ -234,6 +250,40 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
 def _column(row, category):
     return sum(v for k, v in row["by_buffer_mb"].items() if k == category or (category == "other" and
                                                                              k.startswith("other")))
+
+
+def plotter(rows):
+    """The plot of ``rows``: each variant's buffers stacked, its peak live tensors and peak RSS marked;
+    the axis stops above the largest peak, so the super-module's 5e8-element bucket is cut (labelled)."""
+
+    def plot(plt):
+        import numpy as np
+        fig, ax = plt.subplots(figsize=(12, 4.2))
+        short = {peers.VARIANTS[0]: "ours", peers.BLOCK_BUCKETS: "ours,\nblock", peers.VARIANTS[1]: "super",
+                 peers.VARIANTS[2]: "FSDP2"}
+        x = np.arange(len(rows))
+        bottom = np.zeros(len(rows))
+        for c in CATEGORIES:
+            vals = np.array([_column(r, c) for r in rows])
+            ax.bar(x, vals, bottom=bottom, label=c)
+            bottom += vals
+        acts = np.array([r["activations_mb"] for r in rows])
+        ax.bar(x, acts, bottom=bottom, label="activations")
+        top = 1.15 * max(max(r["peak_rss_mb"], r["peak_live_mb"]) for r in rows if r["variant"] != peers.VARIANTS[1])
+        for i, total in enumerate(bottom + acts):
+            if total > top:
+                ax.text(i, top * 0.97, f"{total:.0f}", ha="center", va="top", fontsize=7, rotation=90)
+        ax.scatter(x, [r["peak_live_mb"] for r in rows], color="k", marker="_", s=250, label="peak live", zorder=3)
+        ax.scatter(x, [r["peak_rss_mb"] for r in rows], color="grey", marker="x", s=25, label="peak RSS", zorder=3)
+        ax.set_ylim(0, top)
+        ax.set_xticks(x)
+        ax.set_xticklabels([f"{r['size']} {r['dtype']}\n{short[r['variant']]}" for r in rows], fontsize=7)
+        ax.set_ylabel("MiB per rank")
+        ax.set_title("Encoder -> LLM: what each rank holds after the backward, by buffer; peak live and peak RSS")
+        ax.legend(fontsize=7, ncol=3)
+        return fig
+
+    return plot
 
 
 def main():
@@ -261,8 +311,8 @@ def main():
     detail = B.fmt_table(["size", "dtype", "variant"] + others,
                          [[r["size"], r["dtype"], r["variant"]] + [f"{r['by_buffer_mb'].get(k, 0.0):.1f}" for k in others]
                           for r in rows]) if others else ""
-    print(f"\nPer rank after step 3 (max over {B.WORLD_SIZE} ranks on {B.device().type}); state = the buckets' "
-          f"sum; peak = {B.memory_kind()}\n")
+    print(f"\nPer rank, step 3 (max over {B.WORLD_SIZE} ranks on {B.device().type}); state = the buffers' sum "
+          f"after the last backward; peak RSS = {B.memory_kind()}\n")
     print(table)
     if detail:
         print("\n'other', by the attribute that holds it:\n")
@@ -272,31 +322,11 @@ def main():
         f"{r[field] / f[field]:.2f}"
         for r in rows if r["variant"].startswith("ours")
         for f in rows if f["variant"] == "FSDP2" and f["size"] == r["size"] and f["dtype"] == r["dtype"]
-        for key, field in (("state", "state_mb"), ("peak", "peak_rss_mb")))
+        for key, field in (("state", "state_mb"), ("live", "peak_live_mb"), ("rss", "peak_rss_mb")))
     print(result)
 
-    def plot(plt):
-        import numpy as np
-        fig, ax = plt.subplots(figsize=(11, 4))
-        short = {peers.VARIANTS[0]: "ours", peers.BLOCK_BUCKETS: "ours, block", peers.VARIANTS[1]: "super",
-                 peers.VARIANTS[2]: "FSDP2"}
-        labels = [f"{r['size']} {r['dtype']}\n{short[r['variant']]}" for r in rows]
-        bottom = np.zeros(len(rows))
-        for c in CATEGORIES:
-            vals = np.array([_column(r, c) for r in rows])
-            ax.bar(labels, vals, bottom=bottom, label=c)
-            bottom += vals
-        acts = np.array([r["activations_mb"] for r in rows])
-        ax.bar(labels, acts, bottom=bottom, label="activations")
-        ax.scatter(labels, [r["peak_rss_mb"] for r in rows], color="k", marker="_", s=300, label="peak RSS", zorder=3)
-        ax.set_ylabel("MiB per rank")
-        ax.set_title("Encoder -> LLM: memory per rank by buffer (after a step) and peak RSS")
-        ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=7, ncol=2)
-        return fig
-
     shown = table + (f"\n\n'other', by the attribute that holds it:\n\n{detail}" if detail else "")
-    B.save("memory_breakdown", {"meta": B.meta(), "rows": rows, "table": shown, "result": result}, plot)
+    B.save("memory_breakdown", {"meta": B.meta(), "rows": rows, "table": shown, "result": result}, plotter(rows))
 
 
 if __name__ == "__main__":
