@@ -10,8 +10,8 @@ the same values, and DeepSpeed means to alias the two then (``_create_fp32_parti
 don't need another copy of the weights"). Its test, ``partition.device == self.device``,
 compares a ``torch.device`` with ``self.device``, which is a string
 (``get_accelerator().current_device_name()``): never equal, so DeepSpeed 0.19 always clones.
-Every fp32 ZeRO-3 engine holds one more fp32 copy of its partition than it needs: a quarter of
-its model states with Adam.
+Every fp32 ZeRO-3 engine holds one more fp32 copy of its partition than it needs: a fifth of
+its model states with Adam (parameters, master, gradients, two moments).
 
 :func:`install` makes the alias DeepSpeed intended, right after construction: each sub-group's
 master is its parameter partition. Nothing has read the clone by then (the optimizer's state is
@@ -21,7 +21,10 @@ it is PyTorch's behaviour: a parameter written outside the optimizer (under
 ``GatheredParameters(modifier_rank=...)``) keeps the new value at the next update, where
 DeepSpeed's clone would overwrite it with the master's. Applies without optimizer offload,
 NVMe swapping and Muon (their masters live elsewhere or carry state from construction), with
-an optimizer that has no state yet. ``DSM_MASTER_ALIAS=0`` keeps DeepSpeed's clone.
+an optimizer that has no state yet. DeepSpeed's ``offload_states`` / ``reload_states`` move the
+master and the parameters separately: the alias ends there, and the two copies hold the same values
+(the update still copies the master into the parameters). ``DSM_MASTER_ALIAS=0`` keeps DeepSpeed's
+clone.
 
 ZeRO-1/2 (``stage12_master_alias``) are the same in their own names: the master
 (``single_partition_of_fp32_groups``) is cloned from this rank's slice of the flat parameter
