@@ -62,6 +62,7 @@ def _install_zero12(optimizer) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     if (not isinstance(optimizer, DeepSpeedZeroOptimizer) or not switch_on(MASTER_ALIAS)
             or getattr(optimizer, "cpu_offload", True) or getattr(optimizer, "zenflow", False)
+            or any(getattr(p, "use_muon", False) for group in optimizer.bit16_groups for p in group)
             or len(optimizer.optimizer.state) > 0 or not compat.fast_path_exact(optimizer, FEATURE_Z12)):
         return False
     import deepspeed.comm as dist
