@@ -4,6 +4,7 @@ Every example runs unchanged on CPU (gloo, ``DS_ACCELERATOR=cpu``) and on GPUs (
 rank), launched with ``torchrun --standalone --nproc_per_node=2 examples/<name>.py``. Run with a
 plain ``python examples/<name>.py`` it becomes a single-process run (world size 1).
 """
+import atexit
 import logging
 import os
 import sys
@@ -34,9 +35,17 @@ def setup(seed: int = 0):
     if gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", verbose=False)
+    # Destroy the process group at exit: a gloo job whose groups are alive when Python exits can die in
+    # std::terminate after finishing its work (pytorch/pytorch#190489; docs/failure_and_recovery.md).
+    atexit.register(_destroy_process_group)
     torch.manual_seed(seed)
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     return dev, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _destroy_process_group():
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def ds_config(stage, micro_bs=8, gas=1, dtype="fp32", **extra):

@@ -134,6 +134,12 @@ def trend(key, falls=True):
     return Trend()
 
 
+def end(trainer):
+    """Destroy the process group before exiting: a gloo job whose groups are alive when Python exits can
+    die in std::terminate after finishing its work (pytorch/pytorch#190489; docs/failure_and_recovery.md)."""
+    trainer.accelerator.end_training()
+
+
 def watch(trainer, key, falls=True):
     """Attach :func:`trend` to ``trainer``; returns it."""
     callback = trend(key, falls)

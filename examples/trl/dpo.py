@@ -44,6 +44,7 @@ def main():
     loss = _common.watch(trainer, "loss", falls=True)
     trainer.train()
     loss.check("DPO")
+    _common.end(trainer)
 
 
 if __name__ == "__main__":

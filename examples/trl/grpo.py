@@ -62,6 +62,7 @@ def main():
     reward = _common.watch(trainer, "rewards/counts_on/mean", falls=False)
     trainer.train()
     reward.check("GRPO")
+    _common.end(trainer)
 
 
 if __name__ == "__main__":

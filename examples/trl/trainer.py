@@ -43,6 +43,7 @@ def main():
     trainer.train()
     loss.check("Trainer")
     trainer.save_model(training.output_dir + "/final")   # loads with AutoModelForCausalLM.from_pretrained
+    _common.end(trainer)
 
 
 if __name__ == "__main__":
