@@ -235,7 +235,8 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
     live = sum(persistent(variant).totals().values())
     step = profiled_step(variant, steps - 1)
     row = {"size": size, "variant": variant_name, "dtype": dtype, "peak_rss_mb": peak,
-           "activations_mb": step["activations"] / B.MB, "by_buffer_mb": {k: v / B.MB for k, v in step["state"].items()},
+           "activations_mb": step["activations"] / B.MB,
+           "by_buffer_mb": {k: v / B.MB for k, v in step["state"].items()},
            "live_at_step_start_mb": live / B.MB, "step_growth_mb": step["growth"] / B.MB,
            "peak_live_mb": (live + step["growth"]) / B.MB, "peak_phase": step["peak_phase"]}
     rows = [None] * dist.get_world_size()
@@ -309,7 +310,8 @@ def main():
                            "peak live / FSDP2", "peak RSS MiB", "peak RSS / FSDP2"], table_rows)
     others = sorted({k for r in rows for k in r["by_buffer_mb"] if k.startswith("other")})
     detail = B.fmt_table(["size", "dtype", "variant"] + others,
-                         [[r["size"], r["dtype"], r["variant"]] + [f"{r['by_buffer_mb'].get(k, 0.0):.1f}" for k in others]
+                         [[r["size"], r["dtype"], r["variant"]]
+                          + [f"{r['by_buffer_mb'].get(k, 0.0):.1f}" for k in others]
                           for r in rows]) if others else ""
     print(f"\nPer rank, step 3 (max over {B.WORLD_SIZE} ranks on {B.device().type}); state = the buffers' sum "
           f"after the last backward; peak RSS = {B.memory_kind()}\n")

@@ -12,7 +12,7 @@ ZERO12_GRAD_VIEW = "DSM_ZERO12_GRAD_VIEW"  # ZeRO-1/2 update reads its gradient 
 ZERO3_GRAD_VIEW = "DSM_ZERO3_GRAD_VIEW"  # ZeRO-3 update reads its fp32 gradient in place
 ZERO12_OVERFLOW_BY_NORM = "DSM_ZERO12_OVERFLOW_BY_NORM"  # the norm's all-reduce also decides overflow
 BUCKET_SIZE = "DSM_BUCKET_SIZE"  # gradient bucket buffers no larger than the engine's parameters
-MASTER_ALIAS = "DSM_MASTER_ALIAS"  # fp32 ZeRO-3: the optimizer updates the parameter partition, no clone
+MASTER_ALIAS = "DSM_MASTER_ALIAS"  # fp32 ZeRO-1/2/3: the optimizer updates the parameter partition, no clone
 # Reliability.
 CHECK_RANK_AGREEMENT = "DSM_CHECK_RANK_AGREEMENT"  # ZeRO-0/1 per-update backward-count comparison
 # DeepSpeed outside the supported window: run anyway, every fast path off (compat.check_deepspeed).
