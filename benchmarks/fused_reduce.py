@@ -8,6 +8,8 @@ bucket round trip, without the collective itself:
              ``p.add_(bucket.narrow(...).view_as(p).float().mul_(1 / loss_scale))``;
 * reference: ``deepspeed_multi.ops.reference`` pack + unpack_accumulate (pure PyTorch);
 * fused:     the C++ extension's pack + unpack_accumulate (flags included);
+* fused-mem: (CUDA) the same with every tensor table through device memory, none in the launch's
+             arguments (the baseline of the small-table path);
 * copy:      ``dst.copy_(src)`` moving the same number of bytes (the memory-bandwidth limit).
 
 Then ZeRO-3's reduce-scatter input: DeepSpeed's per-tensor slicing, interleaved ``cat`` and
@@ -43,7 +45,7 @@ RESULTS = Path(os.environ.get("BENCH_RESULTS", ROOT / "benchmarks" / "results"))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MB = 1 << 20
 # (number of tensors, bucket bytes)
-FULL = [(16, 1 * MB), (64, 16 * MB), (1024, 16 * MB), (4096, 16 * MB), (1024, 64 * MB),
+FULL = [(16, 1 * MB), (32, 1 * MB), (64, 16 * MB), (1024, 16 * MB), (4096, 16 * MB), (1024, 64 * MB),
         (4096, 256 * MB), (16, 256 * MB)]
 QUICK = [(16, 1 * MB), (1024, 16 * MB), (4096, 64 * MB)]
 
@@ -81,6 +83,19 @@ def fused_with(impl):
     def run(grads, bucket, parts, world_size, inv_loss_scale):
         flag = impl.pack(grads, bucket, 1.0 / world_size)
         return flag + impl.unpack_accumulate(bucket, parts, inv_loss_scale, True)
+
+    return run
+
+
+def fused_table_in_memory(ext):
+    fused = fused_with(ext)
+
+    def run(*args):
+        previous = ext.set_cuda_inline_tensors(0)
+        try:
+            return fused(*args)
+        finally:
+            ext.set_cuda_inline_tensors(previous)
 
     return run
 
@@ -240,6 +255,8 @@ def main():
     if DEVICE.type == "cuda" and not ext.has_cuda:
         sys.exit("--device cuda: the extension was built without its CUDA kernels (nvcc not found?)")
     methods = {"unfused": unfused, "reference": fused_with(reference), "fused": fused_with(ext)}
+    if DEVICE.type == "cuda":
+        methods["fused-mem"] = fused_table_in_memory(ext)
     rows = []
     for n_tensors, nbytes in QUICK if args.quick else FULL:
         reps = 3 if args.quick else (5 if nbytes >= 64 * MB else 15)

@@ -33,11 +33,13 @@
 #ifdef DSM_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-// Defined in fused_reduce_cuda.cu; returns a cudaError_t value (0 = success). `table` is the
-// device copy of a dsm::TensorTable<2> (multi_tensor_apply.cuh): src and dst pointers, numel,
-// first chunk, as int64 words.
-int dsm_cuda_scale_table(int in_code, int out_code, bool accumulate, const int64_t* table, int64_t count,
-                         int64_t chunks, int64_t chunk_size, float scale, float* flag, void* stream);
+// Defined in fused_reduce_cuda.cu; returns a cudaError_t value (0 = success). `table` is a
+// dsm::TensorTable<2> (multi_tensor_apply.cuh): src and dst pointers, numel, first chunk, as int64
+// words; its device copy, or the host words themselves when `on_host` (at most
+// dsm_cuda_inline_tensors() segments, passed in the launch's arguments).
+int dsm_cuda_scale_table(int in_code, int out_code, bool accumulate, const int64_t* table, bool on_host,
+                         int64_t count, int64_t chunks, int64_t chunk_size, float scale, float* flag, void* stream);
+int64_t dsm_cuda_inline_tensors();
 #endif
 
 namespace py = pybind11;
@@ -379,6 +381,22 @@ float run_cpu(const Plan& plan, float scale, bool accumulate) {
 
 #ifdef DSM_WITH_CUDA
 constexpr int64_t kCudaChunk = 16384;  // elements per CUDA block and step of the grid
+// Tables of up to this many segments go in the launch's arguments; set_cuda_inline_tensors(0)
+// sends every table through device memory (the benchmark's baseline, the tests' second path).
+int64_t g_inline_tensors = -1;  // -1: dsm_cuda_inline_tensors()
+
+int64_t inline_tensors() { return g_inline_tensors < 0 ? dsm_cuda_inline_tensors() : g_inline_tensors; }
+
+int64_t set_cuda_inline_tensors(int64_t n) {
+  const int64_t previous = inline_tensors();
+  if (n < 0 || n > dsm_cuda_inline_tensors()) {
+    throw py::value_error("deepspeed_multi fused_reduce: set_cuda_inline_tensors(" + std::to_string(n) +
+                          "): expected 0.." + std::to_string(dsm_cuda_inline_tensors()) +
+                          " (the most a launch's arguments hold)");
+  }
+  g_inline_tensors = n;
+  return previous;
+}
 
 at::Tensor run_cuda(const Plan& plan, float scale, bool accumulate, const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
@@ -391,10 +409,18 @@ at::Tensor run_cuda(const Plan& plan, float scale, bool accumulate, const at::De
     const int64_t count = per_pair[pair];
     if (count == 0) continue;
     const int in_code = pair / kNumCodes, out_code = pair % kNumCodes;
-    // Pinned, so that the copy below is asynchronous; the caching host allocator keeps the block
-    // until that copy has run (non_blocking records an event on the stream).
-    at::Tensor host = at::empty({4 * count + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    int64_t* words = host.data_ptr<int64_t>();
+    // A small table goes in the launch's arguments; a large one is written to pinned memory, so that
+    // the copy below is asynchronous (the caching host allocator keeps the block until that copy has
+    // run: non_blocking records an event on the stream).
+    const bool on_host = count <= inline_tensors();
+    std::vector<int64_t> small;
+    at::Tensor host;
+    if (on_host) {
+      small.resize(4 * count + 1);
+    } else {
+      host = at::empty({4 * count + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    }
+    int64_t* words = on_host ? small.data() : host.data_ptr<int64_t>();
     int64_t* first = words + 3 * count;
     int64_t k = 0;
     first[0] = 0;
@@ -406,9 +432,11 @@ at::Tensor run_cuda(const Plan& plan, float scale, bool accumulate, const at::De
       first[k + 1] = first[k] + (s.numel + kCudaChunk - 1) / kCudaChunk;
       ++k;
     }
-    const at::Tensor table = host.to(device, /*non_blocking=*/true);  // TensorTable<2>: 4 * count + 1 words
-    const int err = dsm_cuda_scale_table(in_code, out_code, accumulate, table.data_ptr<int64_t>(), count,
-                                         first[count], kCudaChunk, scale, flag.data_ptr<float>(), stream);
+    at::Tensor table;  // TensorTable<2>: 4 * count + 1 words
+    if (!on_host) table = host.to(device, /*non_blocking=*/true);
+    const int err = dsm_cuda_scale_table(in_code, out_code, accumulate, on_host ? words : table.data_ptr<int64_t>(),
+                                         on_host, count, first[count], kCudaChunk, scale, flag.data_ptr<float>(),
+                                         stream);
     if (err != 0) {  // not TORCH_CHECK: its message is formatted with iostreams (see ints_str)
       throw std::runtime_error("deepspeed_multi fused_reduce: CUDA kernel launch failed with cudaError " +
                                std::to_string(err));
@@ -622,6 +650,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensors"), py::arg("out"), py::arg("world"), py::arg("scale"));
 #ifdef DSM_WITH_CUDA
   m.attr("has_cuda") = true;
+  m.attr("cuda_inline_tensors") = dsm_cuda_inline_tensors();  // a table up to this size goes by value
+  m.def("set_cuda_inline_tensors", &set_cuda_inline_tensors,
+        "Tables of up to n segments go in the launch's arguments (0: all through device memory); "
+        "returns the previous n.", py::arg("n"));
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -12,6 +12,9 @@
 // Here the host writes one table for the whole list (see TensorTable) into pinned memory, it goes
 // to the device in one asynchronous copy on the op's stream, and ONE launch covers every chunk of
 // every tensor: a block finds its tensor by binary search in the table's chunk prefix.
+// A table of a few tensors (up to kInlineTensors) travels in the launch's arguments instead
+// (InlineTable): its pinned block and copy cost two host calls, about as long as the kernel
+// on a small bucket.
 //
 // The functor returns true if it saw a non-finite value, which the kernel reports by writing
 // 1.0f to a device flag (never cleared, so launches accumulate).
@@ -35,20 +38,34 @@ struct TensorTable {
   static constexpr int64_t words(int64_t count) { return (Depth + 2) * count + 1; }
 };
 
-template <int Depth, class Functor>
+// Where the kernel reads the table's words: device memory, or the launch's own arguments.
+struct DeviceTable {
+  const int64_t* __restrict__ words;
+  __device__ __forceinline__ int64_t operator[](int64_t i) const { return words[i]; }
+};
+
+// Tables of up to this many tensors go by value (kernel arguments are limited to 4 KB).
+constexpr int64_t kInlineTensors = 32;
+
+template <int Depth>
+struct InlineTable {
+  int64_t words[TensorTable<Depth>::words(kInlineTensors)];  // the first words(count) are used
+  __device__ __forceinline__ int64_t operator[](int64_t i) const { return words[i]; }
+};
+
+template <int Depth, class Table, class Functor>
 __global__ void __launch_bounds__(kBlockThreads)
-    multi_tensor_table_kernel(const int64_t* __restrict__ table, int64_t count, int64_t chunks, int64_t chunk_size,
+    multi_tensor_table_kernel(const Table table, int64_t count, int64_t chunks, int64_t chunk_size,
                               float* nonfinite_flag, Functor op) {
-  const int64_t* numel = table + Depth * count;
-  const int64_t* first = numel + count;
+  const int64_t numel = Depth * count, first = numel + count;  // offsets of the two columns
   for (int64_t b = blockIdx.x; b < chunks; b += gridDim.x) {
     int64_t lo = 0, hi = count - 1;  // the tensor t with first[t] <= b < first[t + 1]
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
-      if (first[mid] <= b) lo = mid; else hi = mid - 1;
+      if (table[first + mid] <= b) lo = mid; else hi = mid - 1;
     }
-    const int64_t start = (b - first[lo]) * chunk_size;
-    const int64_t left = numel[lo] - start;
+    const int64_t start = (b - table[first + lo]) * chunk_size;
+    const int64_t left = table[numel + lo] - start;
     void* ptrs[Depth];
 #pragma unroll
     for (int d = 0; d < Depth; ++d) ptrs[d] = reinterpret_cast<void*>(table[d * count + lo]);
@@ -117,15 +134,24 @@ __device__ __forceinline__ void block_for_each(const In* src, Out* dst, int64_t 
   }
 }
 
-// One launch of `op` over every chunk of the `count` tensors of a device-side TensorTable<Depth>
-// (`chunks` = its first_chunk[count]); returns the launch's CUDA error (cudaSuccess if none).
+// One launch of `op` over every chunk of the `count` tensors of a TensorTable<Depth> (`chunks` =
+// its first_chunk[count]). `table` is a device pointer, or a host one when `on_host` (then count
+// <= kInlineTensors and the words go in the launch's arguments). Returns the launch's CUDA error.
 template <int Depth, class Functor>
-cudaError_t multi_tensor_apply(const int64_t* device_table, int64_t count, int64_t chunks, int64_t chunk_size,
-                               float* nonfinite_flag, cudaStream_t stream, Functor op) {
+cudaError_t multi_tensor_apply(const int64_t* table, bool on_host, int64_t count, int64_t chunks,
+                               int64_t chunk_size, float* nonfinite_flag, cudaStream_t stream, Functor op) {
   if (count == 0) return cudaSuccess;
-  const int64_t grid = chunks < kMaxGrid ? chunks : kMaxGrid;
-  multi_tensor_table_kernel<Depth><<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(
-      device_table, count, chunks, chunk_size, nonfinite_flag, op);
+  const unsigned grid = static_cast<unsigned>(chunks < kMaxGrid ? chunks : kMaxGrid);
+  if (on_host) {
+    if (count > kInlineTensors) return cudaErrorInvalidValue;
+    InlineTable<Depth> inline_table;
+    for (int64_t i = 0; i < TensorTable<Depth>::words(count); ++i) inline_table.words[i] = table[i];
+    multi_tensor_table_kernel<Depth><<<grid, kBlockThreads, 0, stream>>>(inline_table, count, chunks, chunk_size,
+                                                                         nonfinite_flag, op);
+  } else {
+    multi_tensor_table_kernel<Depth><<<grid, kBlockThreads, 0, stream>>>(DeviceTable{table}, count, chunks,
+                                                                         chunk_size, nonfinite_flag, op);
+  }
   return cudaGetLastError();
 }
 

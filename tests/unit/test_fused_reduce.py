@@ -201,6 +201,31 @@ def test_cuda_mixed_dtypes_share_one_flag(ext):
         assert flag.item() == 1.0, f"an inf in the {bad[3 + i].dtype} launch was not flagged"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("extra", [-31, -1, 0, 1], ids=lambda e: f"inline{e:+d}")
+def test_cuda_tables_by_value_and_in_memory(ext, extra):
+    """Tables of up to cuda_inline_tensors tensors go in the launch's arguments, larger ones through
+    device memory: both sides of the boundary, sizes around the chunk, misaligned, the flag."""
+    count = ext.cuda_inline_tensors + extra
+    gen = torch.Generator().manual_seed(100 + count)
+    sizes = [SIZES[(7 * i + 3) % len(SIZES)] or 1 for i in range(count - 1)]
+    cases = [(torch.bfloat16, torch.float32, ext.cuda_inline_tensors), (torch.float32, torch.float16, 0)]
+    for in_dtype, out_dtype, inline in cases:  # inline 0: the same table through device memory
+        previous = ext.set_cuda_inline_tensors(inline)
+        try:
+            tensors = [randn(n, in_dtype, gen=gen).cuda() for n in sizes]
+            tensors.append(randn(CHUNK + 2, in_dtype, gen=gen).cuda()[1:])  # misaligned, over a chunk
+            out, flag = check_pack(ext, tensors, out_dtype)
+            assert flag.item() == 0.0
+            for accumulate in (False, True):
+                check_unpack(ext, out, [t.shape for t in tensors], in_dtype, accumulate)
+            tensors[0][-1] = float("inf")
+            _, flag = check_pack(ext, tensors, out_dtype)
+            assert flag.item() == 1.0, f"an inf in a table of {count} tensors was not flagged"
+        finally:
+            assert ext.set_cuda_inline_tensors(previous) == inline
+
+
 # ------------------------------------------------------------------ pack_partitions
 def deepspeed_interleave(tensors, world, dtype=torch.float32):
     """The flat input DeepSpeed's reduce_scatter_coalesced builds (its cat, before the divide),
