@@ -60,6 +60,22 @@ def _rank_main(rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, ran
         faulthandler.cancel_dump_traceback_later()
 
 
+def _start(procs, gpu):
+    """Start ``procs`` with DeepSpeed's accelerator named in the environment they inherit: DeepSpeed
+    picks its accelerator when it is first imported, which a spawned rank does while unpickling its
+    arguments, before ``_join_process_group`` runs (the parent's value is ``cpu``, see conftest.py)."""
+    kept = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cuda" if gpu else "cpu"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if kept is None:
+            del os.environ["DS_ACCELERATOR"]
+        else:
+            os.environ["DS_ACCELERATOR"] = kept
+
+
 def _join_process_group(rank, world_size, port, gpu, rank_setup):
     """This process becomes ``rank``: its environment, one thread, its GPU, the process group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -112,8 +128,7 @@ def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, ra
     log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
     procs = [ctx.Process(target=_rank_main_to_exit, args=(r, world_size, port, log_dir, rank_setup, fn, args, kwargs),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    _start(procs, gpu=False)
     deadline = time.monotonic() + timeout_s
     exited_at = {}
     while len(exited_at) < world_size and time.monotonic() < deadline:
@@ -158,8 +173,7 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank
                           kwargs),
                     daemon=True) for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    _start(procs, gpu)
     try:
         outs, failure = _collect(results, procs, 0, timeout_s, pooled=False)
     finally:
@@ -244,8 +258,7 @@ class RankPool:
         self._procs = [ctx.Process(target=_pool_rank_main, args=(r, world_size, port, gpu, self._log_dir, rank_setup,
                                                                  self._tasks[r], self._results), daemon=True)
                        for r in range(world_size)]
-        for p in self._procs:
-            p.start()
+        _start(self._procs, gpu)
 
     @property
     def alive(self) -> bool:
