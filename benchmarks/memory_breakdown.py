@@ -197,8 +197,14 @@ def profiled_step(variant, i):
     (see the module doc), and the largest net growth of allocated bytes over the step, with the
     phase it falls in. A free of a tensor from before the step is not recorded (the profiler does
     not know its size), so the growth is an upper bound."""
+    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     out = {}
+    cuda = B.device().type == "cuda"
+    if cuda:  # the allocator's own count, which "peak live" stands in for on CPU
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        out["cuda_start"] = torch.cuda.memory_allocated()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if B.device().type == "cuda" else [])],
                  profile_memory=True) as prof:
         with record_function("phase:forward"):
@@ -210,6 +216,9 @@ def profiled_step(variant, i):
         out["state"] = persistent(variant).totals()  # gradients, parameters and optimizer states all alive
         with record_function("phase:step"):
             variant.update()
+    if cuda:
+        torch.cuda.synchronize()
+        out["cuda_peak"] = torch.cuda.max_memory_allocated()
     net = peak = 0
     at = None
     for e in _allocations(prof):
@@ -234,17 +243,22 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
     gc.collect()
     live = sum(persistent(variant).totals().values())
     step = profiled_step(variant, steps - 1)
-    row = {"size": size, "variant": variant_name, "dtype": dtype, "peak_rss_mb": peak,
+    row = {"size": size, "variant": variant_name, "dtype": dtype, "device": B.device().type, "peak_rss_mb": peak,
            "activations_mb": step["activations"] / B.MB,
            "by_buffer_mb": {k: v / B.MB for k, v in step["state"].items()},
            "live_at_step_start_mb": live / B.MB, "step_growth_mb": step["growth"] / B.MB,
            "peak_live_mb": (live + step["growth"]) / B.MB, "peak_phase": step["peak_phase"]}
+    if "cuda_peak" in step:
+        row["cuda_at_step_start_mb"] = step["cuda_start"] / B.MB
+        row["cuda_step_peak_mb"] = step["cuda_peak"] / B.MB
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     keys = set().union(*(r["by_buffer_mb"] for r in rows))
     row["by_buffer_mb"] = {k: max(r["by_buffer_mb"].get(k, 0.0) for r in rows) for k in keys}
-    for key in ("activations_mb", "live_at_step_start_mb", "step_growth_mb", "peak_live_mb"):
-        row[key] = max(r[key] for r in rows)
+    for key in ("activations_mb", "live_at_step_start_mb", "step_growth_mb", "peak_live_mb", "cuda_at_step_start_mb",
+                "cuda_step_peak_mb"):
+        if key in row:
+            row[key] = max(r[key] for r in rows)
     return row
 
 
@@ -295,6 +309,7 @@ def main():
     variants = peers.VARIANTS[:1] + [peers.BLOCK_BUCKETS] + peers.VARIANTS[1:]
     rows = [B.launch(breakdown, s, v, dt)[0] for s in args.sizes for dt in args.dtypes for v in variants]
     table_rows = []
+    cuda = all("cuda_step_peak_mb" in r for r in rows)
     for r in rows:
         state = sum(r["by_buffer_mb"].values())
         fsdp = next(x for x in rows if x["size"] == r["size"] and x["dtype"] == r["dtype"] and x["variant"] == "FSDP2")
@@ -304,16 +319,20 @@ def main():
                           + [f"{state:.1f}", f"{state / fsdp_state:.2f}", f"{r['activations_mb']:.1f}",
                              f"{r['peak_live_mb']:.1f} ({r['peak_phase']})",
                              f"{r['peak_live_mb'] / fsdp['peak_live_mb']:.2f}",
-                             f"{r['peak_rss_mb']:.1f}", f"{r['peak_rss_mb'] / fsdp['peak_rss_mb']:.2f}"])
+                             f"{r['peak_rss_mb']:.1f}", f"{r['peak_rss_mb'] / fsdp['peak_rss_mb']:.2f}"]
+                          + ([f"{r['cuda_step_peak_mb']:.1f}", f"{r['cuda_step_peak_mb'] / fsdp['cuda_step_peak_mb']:.2f}"]
+                             if cuda else []))
     table = B.fmt_table(["size", "dtype", "variant"] + [f"{c} MiB" for c in CATEGORIES]
                         + ["state MiB", "state / FSDP2", "activations MiB", "peak live MiB (phase)",
-                           "peak live / FSDP2", "peak RSS MiB", "peak RSS / FSDP2"], table_rows)
+                           "peak live / FSDP2", *(["allocated peak, build + steps 1-2 MiB", "/ FSDP2"] if cuda
+                                                  else ["peak RSS MiB", "peak RSS / FSDP2"])]
+                        + (["cuda max allocated in step MiB", "/ FSDP2"] if cuda else []), table_rows)
     others = sorted({k for r in rows for k in r["by_buffer_mb"] if k.startswith("other")})
     detail = B.fmt_table(["size", "dtype", "variant"] + others,
                          [[r["size"], r["dtype"], r["variant"]]
                           + [f"{r['by_buffer_mb'].get(k, 0.0):.1f}" for k in others]
                           for r in rows]) if others else ""
-    print(f"\nPer rank, step 3 (max over {B.WORLD_SIZE} ranks on {B.device().type}); state = the buffers' sum "
+    print(f"\nPer rank, step 3 (max over {B.WORLD_SIZE} ranks on {rows[0]['device']}); state = the buffers' sum "
           f"after the last backward; peak RSS = {B.memory_kind()}\n")
     print(table)
     if detail:
@@ -324,7 +343,8 @@ def main():
         f"{r[field] / f[field]:.2f}"
         for r in rows if r["variant"].startswith("ours")
         for f in rows if f["variant"] == "FSDP2" and f["size"] == r["size"] and f["dtype"] == r["dtype"]
-        for key, field in (("state", "state_mb"), ("live", "peak_live_mb"), ("rss", "peak_rss_mb")))
+        for key, field in (("state", "state_mb"), ("live", "peak_live_mb"), ("rss", "peak_rss_mb"))
+        + ((("cuda", "cuda_step_peak_mb"), ) if cuda else ()))
     print(result)
 
     shown = table + (f"\n\n'other', by the attribute that holds it:\n\n{detail}" if detail else "")

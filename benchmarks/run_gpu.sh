@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU list on a machine with ONE GPU, in phases sized for a 10-minute lease call:
-#   benchmarks/run_gpu.sh OUT kernels [matrix] [engines]
+#   benchmarks/run_gpu.sh OUT kernels [matrix] [engines] [cuda] [api] [memory] [bench]
 #     kernels: tests/unit (the CUDA kernels against the reference), the fused-op microbenchmark
+#     cuda:    the CUDA unit tests alone (a shorter kernels)
+#     bench:   the bf16 fused-op microbenchmark alone
+#     api:     test_api and test_checkpoint on one rank under NCCL
+#     memory:  memory_breakdown.py (large, fp32 and bf16) on one GPU, with the allocator's peak
 #     matrix:  the correctness matrix on one rank under NCCL
 #     engines: the fused matrix and the step tests on one rank under NCCL; the end-to-end
 #              benchmarks on one GPU (ours vs upstream, fused on/off)
@@ -76,7 +80,22 @@ for phase in $PHASES; do
       step overhead_large 240 env BENCH_OVERHEAD_DIM=2048 BENCH_OVERHEAD_LAYERS=8 \
         BENCH_RESULTS="$WORK/results/large" "$PY" benchmarks/overhead.py --steps 10
       ;;
-    *) echo "unknown phase $phase (kernels, matrix, engines)"; exit 2 ;;
+    cuda)
+      step cuda_unit 120 env DS_ACCELERATOR=cpu "$PY" -X faulthandler -m pytest -q -p no:cacheprovider \
+        -o addopts="-ra" tests/unit/test_fused_reduce.py -k cuda
+      ;;
+    bench)
+      step fused_reduce_bf16 120 env BENCH_RESULTS="$WORK/results/bf16" "$PY" benchmarks/fused_reduce.py --device cuda
+      ;;
+    api)
+      step api_tests 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rA --durations=10" \
+        tests/multi_gpu/test_api.py tests/multi_gpu/test_checkpoint.py \
+        -k "not world3 and not disagree and not another_world_size and not kill"
+      ;;
+    memory)
+      step memory_breakdown "${MEMORY_SECONDS:-150}" "$PY" benchmarks/memory_breakdown.py --sizes large
+      ;;
+    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, memory, bench)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu-$PHASE.tar.gz" -C "$WORK" . && echo "packed $OUT/gpu-$PHASE.tar.gz"
