@@ -115,6 +115,9 @@ FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
                                     "_restore_from_bit16_weights", "update_lp_params")),
     "stage3_master_alias": (_Z3, ("_create_fp32_partitions", "initialize_optimizer_states", "_optimizer_step",
                                   "_reassign_or_swap_out_partitioned_parameters")),
+    # and partition_grads, checked by stage3_partition
+    "stage3_lazy_grads": (_Z3, ("independent_gradient_partition_epilogue", "offload_states", "reload_states",
+                                "has_overflow")),
 }
 
 

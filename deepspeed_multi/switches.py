@@ -13,6 +13,7 @@ ZERO3_GRAD_VIEW = "DSM_ZERO3_GRAD_VIEW"  # ZeRO-3 update reads its fp32 gradient
 ZERO12_OVERFLOW_BY_NORM = "DSM_ZERO12_OVERFLOW_BY_NORM"  # the norm's all-reduce also decides overflow
 BUCKET_SIZE = "DSM_BUCKET_SIZE"  # gradient bucket buffers no larger than the engine's parameters
 MASTER_ALIAS = "DSM_MASTER_ALIAS"  # fp32 ZeRO-1/2/3: the optimizer updates the parameter partition, no clone
+ZERO3_LAZY_GRADS = "DSM_ZERO3_LAZY_GRADS"  # ZeRO-3 gradient partitions per sub-group, from first gradient to update
 # Reliability.
 CHECK_RANK_AGREEMENT = "DSM_CHECK_RANK_AGREEMENT"  # ZeRO-0/1 per-update backward-count comparison
 # DeepSpeed outside the supported window: run anyway, every fast path off (compat.check_deepspeed).
@@ -23,7 +24,7 @@ ALLOW_UNTESTED_TRAINERS = "DSM_ALLOW_UNTESTED_TRAINERS"
 FUSED_REDUCE_BACKEND = "DSM_FUSED_REDUCE"
 BUILD_DIR = "DSM_BUILD_DIR"
 
-ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, BUCKET_SIZE, MASTER_ALIAS,
+ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, BUCKET_SIZE, MASTER_ALIAS, ZERO3_LAZY_GRADS,
        CHECK_RANK_AGREEMENT, ALLOW_UNSUPPORTED_DEEPSPEED, ALLOW_UNTESTED_TRAINERS, FUSED_REDUCE_BACKEND, BUILD_DIR)
 
 

@@ -45,7 +45,7 @@ class SkipGroup:
         engine._nonfinite = torch.zeros((), dtype=torch.bool, device=engine.device)
         if engine.zero_optimization_stage() == 3:
             # Partitioned parameters have no stable AccumulateGrad node to watch; their reduced
-            # gradients accumulate in one flat buffer instead, checked when the group decides.
+            # gradients accumulate in their partition buffers instead, checked when the group decides.
             engine._skip_watch = None
         else:
             engine._skip_watch = [_watch(p, engine) for p in engine.module.parameters() if p.requires_grad]
@@ -67,8 +67,9 @@ class SkipGroup:
 
 def _nonfinite(engine) -> torch.Tensor:
     if engine._skip_watch is None:
-        flat = engine.optimizer.grad_partitions_flat_buffer
-        return ~torch.isfinite(flat).all() if flat is not None else engine._nonfinite
+        from ..zero.stage3_lazy_grads import grad_buffers
+        held = grad_buffers(engine.optimizer)
+        return torch.stack([~torch.isfinite(b).all() for b in held]).any() if held else engine._nonfinite
     return engine._nonfinite
 
 

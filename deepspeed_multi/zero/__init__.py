@@ -17,6 +17,7 @@ stage12_master_alias   1, 2        the fp32 master partition cloned from fp32 pa
 stage3_master_alias    3           the fp32 master partition cloned from fp32 parameters (both: master_alias)
 stage12_hook_count     1, 2        the per-backward used-parameter count in DeepSpeed's grad hooks
 stage3_grad_view       3           the flattened copy of the fp32 gradient before each sub-group step
+stage3_lazy_grads      3           the gradient partition buffer held from construction to the end
 stage12_grad_view      1, 2        the flattened copy of the gradient partition before the update
 stage12_overflow       1, 2        the overflow flag's all-reduce (the norm's all-reduce decides)
 stage3_partition       3           one copy/add per parameter after the reduce-scatter (fused_reduce)
@@ -36,8 +37,9 @@ import logging
 
 from .. import ops
 from ..switches import FUSED_ZERO, switch_on
-from . import (bucket_size, master_alias, offload_grads, stage3_grad_view, stage3_partition, stage3_predivide, stage3_scatter,
-               stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce)
+from . import (bucket_size, master_alias, offload_grads, stage3_grad_view, stage3_lazy_grads, stage3_partition,
+               stage3_predivide, stage3_scatter, stage12_bucket_pack, stage12_grad_view, stage12_hook_count,
+               stage12_overflow, stage12_reduce)
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
@@ -50,7 +52,7 @@ def install(optimizer, fused_reduce: bool) -> dict:
             offload_grads.FEATURE: offload_grads.install(optimizer)}
     done.update(bucket_size.install(optimizer))  # before stage12_bucket_pack replaces the flush method it checks
     done.update(master_alias.install(optimizer))
-    for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow):
+    for module in (stage12_hook_count, stage3_grad_view, stage3_lazy_grads, stage12_grad_view, stage12_overflow):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})
     return done

@@ -9,7 +9,7 @@ PyTorch's meaning: every backward accumulates, ``zero_grad()`` discards, ``step(
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from . import stage12_bucket_pack
+from . import stage12_bucket_pack, stage3_lazy_grads
 
 
 def start_window(optimizer) -> None:
@@ -21,10 +21,15 @@ def start_window(optimizer) -> None:
     parameter that the first backward of a window does not reach (a branch the first of two
     losses does not use, a module skipped on one micro-batch) then adds its later gradient onto
     the previous window's. Zeroing the buffer once per window and always accumulating gives
-    PyTorch's meaning; it costs one pass over this rank's gradient partition per update.
+    PyTorch's meaning; it costs one pass over this rank's gradient partition per update, or none
+    where the partitions are allocated per window (stage3_lazy_grads: dropped here, zeroed when
+    next allocated).
     """
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-        if optimizer.grad_partitions_flat_buffer is not None:
+        partitions = stage3_lazy_grads.lazy(optimizer)
+        if partitions is not None:
+            partitions.release()
+        elif optimizer.grad_partitions_flat_buffer is not None:
             optimizer.grad_partitions_flat_buffer.zero_()
         optimizer.micro_step_id = 1
         optimizer._epilogue_ran_this_backward = False

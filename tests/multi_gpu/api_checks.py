@@ -32,14 +32,16 @@ def _batch(step, rank=None):
     return x, y
 
 
-def _reference_micro_step(ref, opt, step, gas=1):
+def _reference_micro_step(ref, opt, step, gas=1, clip=0.0):
     """Plain PyTorch on every rank's batch of ``step`` (data parallelism averages over ranks),
-    updating at the end of each window of ``gas`` micro-steps."""
+    updating at the end of each window of ``gas`` micro-steps (gradients clipped to norm ``clip``)."""
     world = dist.get_world_size()
     for r in range(world):
         xr, yr = _batch(step, r)
         (((ref(xr) - yr)**2).mean() / (gas * world)).backward()
     if step % gas == gas - 1:
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
         opt.zero_grad()
 
@@ -408,3 +410,66 @@ def master_aliased(stage, sub_group_size, path):
         ours, back = full_params(engine), full_params(restored)
         assert all(torch.equal(ours[n], back[n]) for n in ours), f"{where}: checkpoint round trip"
         assert compat.installed(restored.optimizer, feature)
+
+
+def lazy_grad_partitions(dtype):
+    """ZeRO-3 (deepspeed_multi/zero/stage3_lazy_grads.py): a sub-group's gradient partition is
+    allocated when its first gradient is reduced and dropped after the update; the updates are
+    DeepSpeed's bits (DSM_ZERO3_LAZY_GRADS=0) and, in fp32, plain PyTorch's; what runs before
+    offload_states puts DeepSpeed's flat buffer back, holding the same gradients."""
+    import os
+    from unittest import mock
+
+    from deepspeed_multi import compat
+    from deepspeed_multi.zero import stage3_lazy_grads as lazy
+    gas = 2
+    cfg = ds_config(3, dtype, gas=gas, gradient_clipping=1.0, zero_optimization={"sub_group_size": 100})
+
+    def build():
+        model = MLP(seed=1)
+        return deepspeed_multi.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                          config=cfg)[0]
+
+    engine = build()
+    with mock.patch.dict(os.environ, {"DSM_ZERO3_LAZY_GRADS": "0"}):
+        flat = build()
+    where = f"ZeRO-3 {dtype}"
+    parts = lazy.lazy(engine.optimizer)
+    assert compat.installed(engine.optimizer, lazy.FEATURE) and parts is not None, where
+    assert not compat.installed(flat.optimizer, lazy.FEATURE) and flat.optimizer.grad_partitions_flat_buffer is not None
+    assert engine.optimizer.grad_partitions_flat_buffer is None and len(parts.sizes) > 1, (where, parts.sizes)
+    # (after the flat buffer is restored at step 2: the whole partition, as DeepSpeed's)
+    allocated = lambda: (sum(b is not None for b in parts.buffers) if lazy.lazy(engine.optimizer) is parts  # noqa: E731
+                         else len(parts.sizes))
+    seen = []
+
+    def probe(module, inputs, out):  # runs in the backward between fc2's reduction and fc1's
+        out.register_hook(lambda grad: seen.append(allocated()))
+
+    engine.module.fc1.register_forward_hook(probe)
+
+    ref = MLP(seed=1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(6):
+        x, y = _batch(step)
+        assert allocated() == (0 if step % gas == 0 and step < 4 else len(parts.sizes)), f"{where}: step {step} starts with " \
+            f"{allocated()} of {len(parts.sizes)} sub-groups allocated"
+        loss = ((engine(x) - y)**2).mean()
+        assert allocated() == (0 if step % gas == 0 and step < 4 else len(parts.sizes)), f"{where}: the forward allocated"
+        loss.backward()
+        assert allocated() == len(parts.sizes), f"{where}: after the backward {allocated()} of {len(parts.sizes)}"
+        if step == 2:  # before offload_states (FusedAdam only, so not callable here): DeepSpeed's flat buffer
+            held = torch.cat([b for b in parts.buffers])
+            lazy._restore_flat_buffer(engine.optimizer)
+            assert lazy.lazy(engine.optimizer) is None, where
+            assert torch.equal(engine.optimizer.grad_partitions_flat_buffer, held), f"{where}: restored buffer"
+        engine.step()
+        ((flat(x) - y)**2).mean().backward()
+        flat.step()
+        _reference_micro_step(ref, ref_opt, step, gas, clip=1.0)
+        ours, theirs = full_params(engine), full_params(flat)
+        assert all(torch.equal(ours[n], theirs[n]) for n in ours), f"{where}: step {step}: not DeepSpeed's bits"
+    # The first backward's probe, between fc2's reduction and fc1's: some sub-groups, not all.
+    assert 0 < seen[0] < len(parts.sizes), f"{where}: mid-backward {seen[0]} of {len(parts.sizes)} allocated"
+    if dtype == "fp32":
+        _assert_close(full_params(engine), dict(ref.named_parameters()), where)

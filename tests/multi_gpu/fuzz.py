@@ -148,6 +148,8 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = Fa
         for i, e in enumerate(engines):
             e["knobs"] = _draw_knobs(random.Random(f"knobs-{seed}-{i}"), e["stage"], profile)
             _draw_more_knobs(random.Random(f"knobs2-{seed}-{i}"), e, profile)
+            if e["stage"] == 3 and random.Random(f"knobs3-{seed}-{i}").random() < 0.5:  # several update sub-groups
+                e["knobs"]["zero"]["sub_group_size"] = 100  # (and gradient partitions, zero/stage3_lazy_grads.py)
     elif parts:
         _draw_parts(random.Random(f"parts-{seed}"), engines)
     return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad,

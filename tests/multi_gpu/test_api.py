@@ -64,3 +64,9 @@ def _buckets():
     for stage, dtype, overlap in [(1, "fp32", False), (2, "fp32", False), (2, "fp32", True), (2, "bf16", True),
                                   (3, "fp32", False), (3, "bf16", True)]:
         checks.bucket_buffers_sized(stage, dtype, overlap)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero3_gradient_partitions_live_from_first_gradient_to_update(dtype):
+    """deepspeed_multi/zero/stage3_lazy_grads.py: [Note: ZeRO-3's gradient partitions between updates]."""
+    run_distributed(checks.lazy_grad_partitions, dtype)
