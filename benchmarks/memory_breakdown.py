@@ -1,7 +1,8 @@
 """Where a rank's memory goes, by buffer: ours, the super-module and FSDP2 on encoder -> LLM.
 
 The workload is peers.py's (encoder ZeRO-2 -> LLM ZeRO-3 for ours, at DeepSpeed's default bucket
-sizes and with the LLM's reduction and prefetch buckets set to one block; one upstream ZeRO-3
+sizes and with the LLM set to work per block: reduction and prefetch buckets, reuse distance and
+update sub-groups of one block (peers.BLOCK_BUCKETS); one upstream ZeRO-3
 engine for the super-module; ``fully_shard`` per block for FSDP2; AdamW, both models trained), in fp32 and in
 bf16 (DeepSpeed's ``bf16`` section; FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then:
@@ -92,6 +93,8 @@ class _Ledger:
                 self.add(ds, category, detail)
             if obj.grad is not None:
                 self.add(obj.grad, "gradients", detail)
+        elif depth < 4 and hasattr(obj, "buffers") and hasattr(obj, "release"):  # lazy ZeRO-3 gradient partitions
+            self.walk(obj.buffers, category, detail, depth + 1)  # the allocated ones (a lookup would allocate)
         elif depth < 4 and isinstance(obj, dict):
             for v in obj.values():
                 self.walk(v, category, detail, depth + 1)
@@ -305,8 +308,11 @@ def main():
     ap = B.arg_parser(__doc__)
     ap.add_argument("--sizes", nargs="+", default=list(peers.SIZES), choices=list(peers.SIZES))
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    args = ap.parse_args()
     variants = peers.VARIANTS[:1] + [peers.BLOCK_BUCKETS] + peers.VARIANTS[1:]
+    ap.add_argument("--variants", nargs="+", default=variants, choices=variants,
+                    help="FSDP2 is always run (the baseline)")
+    args = ap.parse_args()
+    variants = [v for v in variants if v in args.variants or v == "FSDP2"]
     rows = [B.launch(breakdown, s, v, dt)[0] for s in args.sizes for dt in args.dtypes for v in variants]
     table_rows = []
     cuda = all("cuda_step_peak_mb" in r for r in rows)

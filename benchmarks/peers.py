@@ -29,10 +29,11 @@ SIZES = {"small": (256, 4), "large": (512, 8)}
 D_IN, ENC_LAYERS, SEQ, MICRO_BS = 64, 1, 32, 8
 VARIANTS = ["ours (Z2 + Z3)", "super-module (Z3)", "FSDP2"]
 # Ours with the ZeRO-3 LLM set to work per block, as FSDP2 does: reduction and prefetch buckets of
-# one block's elements, parameters released after their forward unless reused within one block
-# (DeepSpeed's defaults, 5e8 / 5e7 / 1e9 elements, keep a smaller model's whole unpartitioned
-# gradient in the bucket until the backward ends, and every gathered block from its forward to its
-# backward).
+# one block's elements, parameters released after their forward unless reused within one block,
+# the update and its gradient partitions in sub-groups of one block (DeepSpeed's defaults, 5e8 /
+# 5e7 / 1e9 / 1e9 elements, keep a smaller model's whole unpartitioned gradient in the bucket
+# until the backward ends, every gathered block from its forward to its backward, and the
+# update's fp32 gradient and temporaries the size of the whole partition).
 BLOCK_BUCKETS = "ours, block-sized buckets"
 
 
@@ -90,7 +91,8 @@ def build_variant(variant, size, encoder, llm, dtype="fp32") -> Variant:
         if variant == BLOCK_BUCKETS:
             block = B.n_params(llm.blocks[0])
             cfg["zero_optimization"].update(reduce_bucket_size=block, stage3_prefetch_bucket_size=block,
-                                            stage3_max_reuse_distance=block, stage3_max_live_parameters=2 * block)
+                                            stage3_max_reuse_distance=block, stage3_max_live_parameters=2 * block,
+                                            sub_group_size=block)
         big = B.build_engine(deepspeed_multi.initialize, llm, cfg)
 
         def loss(i):

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU list on a machine with ONE GPU, in phases sized for a 10-minute lease call:
-#   benchmarks/run_gpu.sh OUT kernels [matrix] [engines] [cuda] [api] [memory] [bench]
+#   benchmarks/run_gpu.sh OUT kernels [matrix] [engines] [cuda] [api] [lazy] [memory] [bench]
 #     kernels: tests/unit (the CUDA kernels against the reference), the fused-op microbenchmark
 #     cuda:    the CUDA unit tests alone (a shorter kernels)
 #     bench:   the bf16 fused-op microbenchmark alone
 #     api:     test_api and test_checkpoint on one rank under NCCL
+#     lazy:    the ZeRO-3 gradient partition tests (stage3_lazy_grads, stage3_grad_view) alone
 #     memory:  memory_breakdown.py (large, fp32 and bf16) on one GPU, with the allocator's peak
 #     matrix:  the correctness matrix on one rank under NCCL
 #     engines: the fused matrix and the step tests on one rank under NCCL; the end-to-end
@@ -87,15 +88,20 @@ for phase in $PHASES; do
     bench)
       step fused_reduce_bf16 120 env BENCH_RESULTS="$WORK/results/bf16" "$PY" benchmarks/fused_reduce.py --device cuda
       ;;
+    lazy)
+      step lazy_tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rA --durations=5" \
+        tests/multi_gpu/test_api.py tests/multi_gpu/test_zero3_step.py -k "gradient_partitions or zero3_update"
+      ;;
     api)
       step api_tests 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rA --durations=10" \
         tests/multi_gpu/test_api.py tests/multi_gpu/test_checkpoint.py \
         -k "not world3 and not disagree and not another_world_size and not kill"
       ;;
     memory)
-      step memory_breakdown "${MEMORY_SECONDS:-150}" "$PY" benchmarks/memory_breakdown.py --sizes large
+      step memory_breakdown "${MEMORY_SECONDS:-150}" "$PY" benchmarks/memory_breakdown.py --sizes large \
+        ${MEMORY_VARIANTS:+--variants "$MEMORY_VARIANTS"}
       ;;
-    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, memory, bench)"; exit 2 ;;
+    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu-$PHASE.tar.gz" -C "$WORK" . && echo "packed $OUT/gpu-$PHASE.tar.gz"
