@@ -143,4 +143,3 @@ def install(optimizer) -> bool:
     optimizer.grad_partitions_flat_buffer = None
     compat.replace_method(optimizer, "offload_states", _offload_states, FEATURE)
     return True
-

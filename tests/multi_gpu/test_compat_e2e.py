@@ -119,7 +119,8 @@ def _check():
     _assert_same(base, reference, "as installed vs PyTorch", exact=False)
     if compat.fast_paths_allowed():  # a DeepSpeed release the fast paths were checked on
         assert "stage12_reduce" in installed[0] and "stage12_bucket_pack" in installed[1], installed
-        assert {"stage3_partition", "stage3_grad_view", "stage3_bucket_size", "stage3_lazy_grads"} <= set(installed[2]), installed
+        assert {"stage3_partition", "stage3_grad_view", "stage3_bucket_size", "stage3_lazy_grads"} <= set(installed[2]), \
+            installed
         assert "stage12_bucket_size" in installed[0] and "stage12_bucket_size" in installed[1], installed
         # fp32 AdamW engines: the master is the parameter partition (zero/master_alias.py)
         assert all("stage12_master_alias" in i for i in installed[:2]) and "stage3_master_alias" in installed[2], \
