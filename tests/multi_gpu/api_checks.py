@@ -1,4 +1,5 @@
 """Rank functions for test_api.py (importable by the spawned ranks)."""
+import functools
 
 import deepspeed
 import deepspeed.comm as dist
@@ -44,6 +45,21 @@ def _reference_micro_step(ref, opt, step, gas=1, clip=0.0):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
         opt.zero_grad()
+
+
+def _adamw_engine(cfg):
+    """An MLP engine with AdamW(lr=0.05) under ``cfg``."""
+    model = MLP(seed=1)
+    return deepspeed_multi.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                      config=cfg)[0]
+
+
+def _switched_off(build, switch):
+    """``build()`` with the fast-path switch ``switch`` set to 0 (DeepSpeed's own method)."""
+    import os
+    from unittest import mock
+    with mock.patch.dict(os.environ, {switch: "0"}):
+        return build()
 
 
 def _train(engine, steps, start=0):
@@ -348,7 +364,6 @@ def master_aliased(stage, sub_group_size, path):
     (DSM_MASTER_ALIAS=0); a parameter written outside the optimizer keeps the write, as in PyTorch;
     a checkpoint saves this rank's master slice, not the flat buffer behind it."""
     import os
-    from unittest import mock
 
     from deepspeed_multi import compat
     from deepspeed_multi.zero import master_alias
@@ -356,14 +371,8 @@ def master_aliased(stage, sub_group_size, path):
     cfg = ds_config(stage, gas=gas)
     cfg["zero_optimization"]["sub_group_size"] = sub_group_size
 
-    def build():
-        model = MLP(seed=1)
-        return deepspeed_multi.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
-                                          config=cfg)[0]
-
-    engine = build()
-    with mock.patch.dict(os.environ, {"DSM_MASTER_ALIAS": "0"}):
-        clone = build()
+    build = functools.partial(_adamw_engine, cfg)
+    engine, clone = build(), _switched_off(build, "DSM_MASTER_ALIAS")
     opt, where = engine.optimizer, f"ZeRO-{stage} fp32 sub_group_size={sub_group_size}"
     feature = master_alias.FEATURE if stage == 3 else master_alias.FEATURE_Z12
     assert compat.installed(opt, feature) and not compat.installed(clone.optimizer, feature), where
@@ -417,22 +426,12 @@ def lazy_grad_partitions(dtype):
     allocated when its first gradient is reduced and dropped after the update; the updates are
     DeepSpeed's bits (DSM_ZERO3_LAZY_GRADS=0) and, in fp32, plain PyTorch's; what runs before
     offload_states puts DeepSpeed's flat buffer back, holding the same gradients."""
-    import os
-    from unittest import mock
-
     from deepspeed_multi import compat
     from deepspeed_multi.zero import stage3_lazy_grads as lazy
     gas = 2
     cfg = ds_config(3, dtype, gas=gas, gradient_clipping=1.0, zero_optimization={"sub_group_size": 100})
 
-    def build():
-        model = MLP(seed=1)
-        return deepspeed_multi.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
-                                          config=cfg)[0]
-
-    engine = build()
-    with mock.patch.dict(os.environ, {"DSM_ZERO3_LAZY_GRADS": "0"}):
-        flat = build()
+    engine, flat = _adamw_engine(cfg), _switched_off(functools.partial(_adamw_engine, cfg), "DSM_ZERO3_LAZY_GRADS")
     where = f"ZeRO-3 {dtype}"
     parts = lazy.lazy(engine.optimizer)
     assert compat.installed(engine.optimizer, lazy.FEATURE) and parts is not None, where
