@@ -61,21 +61,22 @@ struct ScaleFunctor {
 };
 
 template <class In, class Out, bool Acc>
-cudaError_t launch(const int64_t* table, bool on_host, int64_t count, int64_t chunks, int64_t chunk_size, float scale, float* flag,
-                   cudaStream_t stream) {
-  return multi_tensor_apply<2>(table, on_host, count, chunks, chunk_size, flag, stream, ScaleFunctor<In, Out, Acc>{scale});
+cudaError_t launch(const int64_t* table, bool on_host, int64_t count, int64_t chunks, int64_t chunk_size, float scale,
+                   float* flag, cudaStream_t stream) {
+  return multi_tensor_apply<2>(table, on_host, count, chunks, chunk_size, flag, stream,
+                               ScaleFunctor<In, Out, Acc>{scale});
 }
 
 template <class In, class Out>
-cudaError_t launch_acc(bool accumulate, const int64_t* table, bool on_host, int64_t count, int64_t chunks, int64_t chunk_size,
-                       float scale, float* flag, cudaStream_t stream) {
+cudaError_t launch_acc(bool accumulate, const int64_t* table, bool on_host, int64_t count, int64_t chunks,
+                       int64_t chunk_size, float scale, float* flag, cudaStream_t stream) {
   return accumulate ? launch<In, Out, true>(table, on_host, count, chunks, chunk_size, scale, flag, stream)
                     : launch<In, Out, false>(table, on_host, count, chunks, chunk_size, scale, flag, stream);
 }
 
 template <class In>
-cudaError_t launch_out(int out_code, bool accumulate, const int64_t* table, bool on_host, int64_t count, int64_t chunks,
-                       int64_t chunk_size, float scale, float* flag, cudaStream_t stream) {
+cudaError_t launch_out(int out_code, bool accumulate, const int64_t* table, bool on_host, int64_t count,
+                       int64_t chunks, int64_t chunk_size, float scale, float* flag, cudaStream_t stream) {
   switch (out_code) {
     case 0: return launch_acc<In, F32>(accumulate, table, on_host, count, chunks, chunk_size, scale, flag, stream);
     case 1: return launch_acc<In, BF16>(accumulate, table, on_host, count, chunks, chunk_size, scale, flag, stream);
@@ -89,18 +90,24 @@ cudaError_t launch_out(int out_code, bool accumulate, const int64_t* table, bool
 // dtype codes: 0 = float32, 1 = bfloat16, 2 = float16 (as in fused_reduce.cpp).
 // `table` is a dsm::TensorTable<2> of `count` segments (source pointer, destination pointer,
 // numel, first chunk; see multi_tensor_apply.cuh) in device memory, or in host memory when
-// `on_host` (count <= dsm::kInlineTensors: it goes in the launch's arguments), holding `chunks` chunks of
-// `chunk_size` elements. `stream` is a cudaStream_t; `flag` a device float set to 1.0f when a
+// `on_host` (count <= dsm::kInlineTensors: it goes in the launch's arguments), holding `chunks`
+// chunks of `chunk_size` elements. `stream` is a cudaStream_t; `flag` a device float set to 1.0f when a
 // written value is inf/nan. Returns a cudaError_t value (0 = success).
-int dsm_cuda_scale_table(int in_code, int out_code, bool accumulate, const int64_t* table, bool on_host, int64_t count,
-                         int64_t chunks, int64_t chunk_size, float scale, float* flag, void* stream) {
+int dsm_cuda_scale_table(int in_code, int out_code, bool accumulate, const int64_t* table, bool on_host,
+                         int64_t count, int64_t chunks, int64_t chunk_size, float scale, float* flag, void* stream) {
   using namespace dsm;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err;
   switch (in_code) {
-    case 0: err = launch_out<F32>(out_code, accumulate, table, on_host, count, chunks, chunk_size, scale, flag, s); break;
-    case 1: err = launch_out<BF16>(out_code, accumulate, table, on_host, count, chunks, chunk_size, scale, flag, s); break;
-    default: err = launch_out<F16>(out_code, accumulate, table, on_host, count, chunks, chunk_size, scale, flag, s); break;
+    case 0:
+      err = launch_out<F32>(out_code, accumulate, table, on_host, count, chunks, chunk_size, scale, flag, s);
+      break;
+    case 1:
+      err = launch_out<BF16>(out_code, accumulate, table, on_host, count, chunks, chunk_size, scale, flag, s);
+      break;
+    default:
+      err = launch_out<F16>(out_code, accumulate, table, on_host, count, chunks, chunk_size, scale, flag, s);
+      break;
   }
   return static_cast<int>(err);
 }
