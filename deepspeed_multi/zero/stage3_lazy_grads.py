@@ -20,8 +20,9 @@ Values: a window starts from zeros either way (``buffers.start_window`` zeroes D
 after each update and always accumulates), and each sub-group's partitions stay consecutive in
 one buffer, in DeepSpeed's order, so the update (and ``stage3_grad_view``'s view of a sub-group)
 sees the same values: DeepSpeed's bits. ``grad_partitions_flat_buffer`` is None while this is on;
-its readers are the fp16 overflow check (fp16 keeps DeepSpeed's buffer: not installed), the
-skip group's non-finite check (reads :func:`grad_buffers`) and ``offload_states``, before which
+its readers are the fp16 overflow check (``has_overflow``, which here ORs the sub-group buffers'
+non-finite values into DeepSpeed's tracker and then runs on an empty buffer: the same decision),
+the skip group's non-finite check (reads :func:`grad_buffers`) and ``offload_states``, before which
 the sub-groups are copied back into one flat buffer and DeepSpeed's layout is restored for good.
 ``DSM_ZERO3_LAZY_GRADS=0`` keeps DeepSpeed's buffer.
 """
@@ -119,6 +120,24 @@ def _restore_flat_buffer(self) -> None:
     compat.state(self, FEATURE, {"restored": True})
 
 
+def _has_overflow(self, partition_gradients=True):
+    """DeepSpeed's ``has_overflow`` over the sub-group buffers (see the Note): what its check of the
+    one buffer would OR into ``inf_or_nan_tracker`` is OR-ed in first, then it checks an empty one."""
+    original = compat.original(self, "has_overflow")
+    partitions = lazy(self)
+    if partitions is None or not partition_gradients:
+        return original(partition_gradients)
+    from deepspeed.accelerator import get_accelerator
+    with get_accelerator().stream(self.reduce_and_partition_stream):
+        for held in grad_buffers(self):  # an inf or a nan, as DeepSpeed's isinf().any() | isnan().any()
+            self.inf_or_nan_tracker.logical_or_(~torch.isfinite(held).all())
+    self.grad_partitions_flat_buffer = torch.empty(0, dtype=partitions.dtype, device=partitions.device)
+    try:
+        return original(partition_gradients)
+    finally:
+        self.grad_partitions_flat_buffer = None
+
+
 def _offload_states(self, *args, **kwargs):
     _restore_flat_buffer(self)
     return compat.original(self, "offload_states")(*args, **kwargs)
@@ -126,11 +145,11 @@ def _offload_states(self, *args, **kwargs):
 
 def install(optimizer) -> bool:
     """Allocate ``optimizer``'s gradient partitions per sub-group on demand; return whether it did
-    (ZeRO-3 without optimizer offload, ZenFlow or fp16)."""
+    (ZeRO-3 without optimizer offload or ZenFlow)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     if (not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) or not switch_on(ZERO3_LAZY_GRADS)
             or getattr(optimizer, "offload_optimizer", True) or getattr(optimizer, "zenflow", False)
-            or getattr(optimizer, "dtype", torch.float16) == torch.float16
+            or not hasattr(optimizer, "inf_or_nan_tracker")
             or getattr(optimizer, "grad_partitions_flat_buffer", None) is None
             or not isinstance(optimizer.__dict__.get(_GRAD_PARTITIONS), dict)
             or not compat.fast_path_exact(optimizer, FEATURE)):
@@ -142,4 +161,5 @@ def install(optimizer) -> bool:
     setattr(optimizer, _GRAD_PARTITIONS, partitions)
     optimizer.grad_partitions_flat_buffer = None
     compat.replace_method(optimizer, "offload_states", _offload_states, FEATURE)
+    compat.replace_method(optimizer, "has_overflow", _has_overflow, FEATURE)
     return True

@@ -424,8 +424,9 @@ def master_aliased(stage, sub_group_size, path):
 def lazy_grad_partitions(dtype):
     """ZeRO-3 (deepspeed_multi/zero/stage3_lazy_grads.py): a sub-group's gradient partition is
     allocated when its first gradient is reduced and dropped after the update; the updates are
-    DeepSpeed's bits (DSM_ZERO3_LAZY_GRADS=0) and, in fp32, plain PyTorch's; what runs before
-    offload_states puts DeepSpeed's flat buffer back, holding the same gradients."""
+    DeepSpeed's bits (DSM_ZERO3_LAZY_GRADS=0) and, in fp32, plain PyTorch's; in fp16 an inf on one
+    rank skips the same update; what runs before offload_states puts DeepSpeed's flat buffer back,
+    holding the same gradients."""
     from deepspeed_multi import compat
     from deepspeed_multi.zero import stage3_lazy_grads as lazy
     gas = 2
@@ -453,22 +454,31 @@ def lazy_grad_partitions(dtype):
         x, y = _batch(step)
         expected = 0 if step % gas == 0 and step < 4 else len(parts.sizes)  # a window's start: nothing yet
         assert allocated() == expected, f"{where}: step {step} starts with {allocated()} sub-groups allocated"
-        loss = ((engine(x) - y)**2).mean()
+        poison = torch.zeros_like(y)
+        if dtype == "fp16" and step == 1 and dist.get_rank() == 0:
+            poison[0, 0] = float("inf")  # the first window overflows on one rank: both skip its update
+        out = engine(x)
+        loss = ((out - y)**2).mean() + (out * poison).sum()
         assert allocated() == expected, f"{where}: step {step}: the forward allocated"
         loss.backward()
         assert allocated() == len(parts.sizes), f"{where}: after the backward {allocated()} of {len(parts.sizes)}"
+        if dtype == "fp16" and step < 2:  # DeepSpeed's check, over the sub-group buffers (its norm decides too)
+            assert engine.optimizer.has_overflow() == (step == 1), f"{where}: step {step}: has_overflow"
         if step == 2:  # before offload_states (FusedAdam only, so not callable here): DeepSpeed's flat buffer
             held = torch.cat([b for b in parts.buffers])
             lazy._restore_flat_buffer(engine.optimizer)
             assert lazy.lazy(engine.optimizer) is None, where
             assert torch.equal(engine.optimizer.grad_partitions_flat_buffer, held), f"{where}: restored buffer"
         engine.step()
-        ((flat(x) - y)**2).mean().backward()
+        out = flat(x)
+        (((out - y)**2).mean() + (out * poison).sum()).backward()
         flat.step()
         _reference_micro_step(ref, ref_opt, step, gas, clip=1.0)
         ours, theirs = full_params(engine), full_params(flat)
         assert all(torch.equal(ours[n], theirs[n]) for n in ours), f"{where}: step {step}: not DeepSpeed's bits"
     # The first backward's probe, between fc2's reduction and fc1's: some sub-groups, not all.
     assert 0 < seen[0] < len(parts.sizes), f"{where}: mid-backward {seen[0]} of {len(parts.sizes)} allocated"
+    if dtype == "fp16":
+        assert engine.skipped_steps == flat.skipped_steps == 1, (where, engine.skipped_steps, flat.skipped_steps)
     if dtype == "fp32":
         _assert_close(full_params(engine), dict(ref.named_parameters()), where)

@@ -66,7 +66,7 @@ def _buckets():
         checks.bucket_buffers_sized(stage, dtype, overlap)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_zero3_gradient_partitions_live_from_first_gradient_to_update(dtype):
     """deepspeed_multi/zero/stage3_lazy_grads.py: [Note: ZeRO-3's gradient partitions between updates]."""
     run_distributed(checks.lazy_grad_partitions, dtype)
