@@ -270,10 +270,13 @@ class _Monitor(threading.Thread):
                 logger.warning("deepspeed_multi watchdog: check failed:\n%s", traceback.format_exc())
 
     def stop(self, join_s=10.0):
-        """End the loop and wait for it: see [Note: the thread stops before the interpreter finalizes]."""
+        """End the loop and wait for it: see [Note: the thread stops before the interpreter finalizes].
+        Then let go of the store, so that it is not destroyed during finalization either."""
         self._stopping.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(join_s)
+        if not self.is_alive():
+            self.store = None
 
     def _live(self):
         return [w for w in self.watches if w.engine() is not None]
