@@ -86,6 +86,8 @@ class _Ledger:
 
     def walk(self, obj, category, detail="", depth=0):
         import torch
+
+        from deepspeed_multi.zero.stage3_lazy_grads import LazyGradPartitions
         if isinstance(obj, torch.Tensor):
             self.add(obj, category, detail)
             ds = getattr(obj, "ds_tensor", None)
@@ -93,8 +95,8 @@ class _Ledger:
                 self.add(ds, category, detail)
             if obj.grad is not None:
                 self.add(obj.grad, "gradients", detail)
-        elif depth < 4 and hasattr(obj, "buffers") and hasattr(obj, "release"):  # lazy ZeRO-3 gradient partitions
-            self.walk(obj.buffers, category, detail, depth + 1)  # the allocated ones (a lookup would allocate)
+        elif depth < 4 and isinstance(obj, LazyGradPartitions):  # a lookup would allocate: the allocated ones
+            self.walk(obj.buffers, category, detail, depth + 1)
         elif depth < 4 and isinstance(obj, dict):
             for v in obj.values():
                 self.walk(v, category, detail, depth + 1)
@@ -208,7 +210,7 @@ def profiled_step(variant, i):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         out["cuda_start"] = torch.cuda.memory_allocated()
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if B.device().type == "cuda" else [])],
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
                  profile_memory=True) as prof:
         with record_function("phase:forward"):
             loss = variant.loss(i)

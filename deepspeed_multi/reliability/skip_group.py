@@ -67,9 +67,9 @@ class SkipGroup:
 
 def _nonfinite(engine) -> torch.Tensor:
     if engine._skip_watch is None:
-        from ..zero.stage3_lazy_grads import grad_buffers
-        held = grad_buffers(engine.optimizer)
-        return torch.stack([~torch.isfinite(b).all() for b in held]).any() if held else engine._nonfinite
+        from ..zero.stage3_lazy_grads import nonfinite
+        found = nonfinite(engine.optimizer)
+        return found if found is not None else engine._nonfinite
     return engine._nonfinite
 
 

@@ -34,9 +34,9 @@ import torch
 
 from .. import compat
 from ..switches import ZERO3_LAZY_GRADS, switch_on
+from .stage3_partition import _GRAD_PARTITIONS
 
 FEATURE = "stage3_lazy_grads"
-_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
 class LazyGradPartitions(dict):
@@ -73,9 +73,6 @@ class LazyGradPartitions(dict):
     def items(self):
         return [(k, self[k]) for k in self.keys()]
 
-    def __iter__(self):
-        return iter(list(self.keys()))
-
     def release(self) -> None:
         """Drop every sub-group's buffer: the next window starts from (lazily allocated) zeros."""
         self.buffers = [None] * len(self.sizes)
@@ -94,6 +91,13 @@ def grad_buffers(optimizer) -> List[torch.Tensor]:
         return [b for b in partitions.buffers if b is not None]
     flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
     return [] if flat is None else [flat]
+
+
+def nonfinite(optimizer) -> Optional[torch.Tensor]:
+    """True (a 0-dim bool tensor) if a gradient partition holds an inf or a nan, as DeepSpeed's
+    ``isinf().any() | isnan().any()``; None where no partition is allocated."""
+    held = grad_buffers(optimizer)
+    return torch.stack([~torch.isfinite(b).all() for b in held]).any() if held else None
 
 
 def _restore_flat_buffer(self) -> None:
@@ -128,9 +132,10 @@ def _has_overflow(self, partition_gradients=True):
     if partitions is None or not partition_gradients:
         return original(partition_gradients)
     from deepspeed.accelerator import get_accelerator
-    with get_accelerator().stream(self.reduce_and_partition_stream):
-        for held in grad_buffers(self):  # an inf or a nan, as DeepSpeed's isinf().any() | isnan().any()
-            self.inf_or_nan_tracker.logical_or_(~torch.isfinite(held).all())
+    found = nonfinite(self)
+    if found is not None:
+        with get_accelerator().stream(self.reduce_and_partition_stream):
+            self.inf_or_nan_tracker.logical_or_(found)
     self.grad_partitions_flat_buffer = torch.empty(0, dtype=partitions.dtype, device=partitions.device)
     try:
         return original(partition_gradients)
