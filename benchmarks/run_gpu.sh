@@ -6,7 +6,7 @@
 #     bench:   the bf16 fused-op microbenchmark alone
 #     api:     test_api and test_checkpoint on one rank under NCCL
 #     lazy:    the ZeRO-3 gradient partition tests (stage3_lazy_grads, stage3_grad_view) alone
-#     memory:  memory_breakdown.py (large, fp32 and bf16) on one GPU, with the allocator's peak
+#     memory:  memory_breakdown.py (large, or $MEMORY_SIZES; fp32 and bf16) on one GPU, with the allocator's peak
 #     matrix:  the correctness matrix on one rank under NCCL
 #     engines: the fused matrix and the step tests on one rank under NCCL; the end-to-end
 #              benchmarks on one GPU (ours vs upstream, fused on/off)
@@ -98,7 +98,7 @@ for phase in $PHASES; do
         -k "not world3 and not disagree and not another_world_size and not kill"
       ;;
     memory)
-      step memory_breakdown "${MEMORY_SECONDS:-150}" "$PY" benchmarks/memory_breakdown.py --sizes large \
+      step memory_breakdown "${MEMORY_SECONDS:-150}" "$PY" benchmarks/memory_breakdown.py --sizes ${MEMORY_SIZES:-large} \
         ${MEMORY_VARIANTS:+--variants "$MEMORY_VARIANTS"}
       ;;
     *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench)"; exit 2 ;;
