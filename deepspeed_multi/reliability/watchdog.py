@@ -148,6 +148,7 @@ class EngineWatch:
             return
         n = self.met[what] = self.met.get(what, 0) + 1
         self.monitor.meet(f"meet/{self.index}/{what}/{ranks[0]}", len(ranks) * n)
+
     def _end_of_graph_task(self):
         engine = self.engine()
         if engine is None or engine._state.name != "IN_BACKWARD":
