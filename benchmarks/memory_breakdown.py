@@ -26,7 +26,8 @@ reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then
 * peak live: every tensor alive when the last step starts (counted as above, plus every other
   live tensor) and the largest net growth of allocated bytes during the step (torch.profiler's
   allocation events: activations, gathered ZeRO-3 blocks, buckets, the optimizer's temporaries),
-  with the phase (forward, backward, step) where it peaks. A free of a tensor from before the step
+  with the phase (forward, backward, step) where it peaks; without the scratch buffers gloo
+  allocates inside a collective (see ``_allocations``). A free of a tensor from before the step
   is not in the profiler's record, so this is an upper bound. On a GPU it is what
   ``max_memory_allocated`` measures;
 * peak RSS: the process's resident high-water mark above its resident set before the build (what
@@ -38,7 +39,7 @@ Counted bytes are exact and hardware-independent; RSS is this machine's. Max ove
 
 Prints a table; writes benchmarks/results/memory_breakdown.json and .png.
 
-Usage: python benchmarks/memory_breakdown.py [--sizes small large] [--dtypes fp32 bf16]
+Usage: python benchmarks/memory_breakdown.py [--sizes small large] [--dtypes fp32 bf16] [--repeat K] [--at-peak]
 """
 from __future__ import annotations
 
@@ -185,16 +186,49 @@ def _phase_of(prof, t_us):
 
 
 def _allocations(prof):
-    """The profiler's allocation events (bytes: + allocated, - freed), in time order."""
+    """The profiler's allocation events (bytes: + allocated, - freed), in time order, each with the
+    three innermost operators that made it, without what a collective allocates for itself: gloo
+    copies a reduce-scatter's input and gathers into a scratch buffer (inside the ``c10d::`` op or
+    its worker's ``gloo:`` range) and frees them on its worker thread whenever that thread gets to
+    it (FSDP2's backward peak moved by 28 MiB between runs with them, on a 264 MiB peak), and NCCL,
+    which the CPU stand-in is for, works in place."""
     from torch._C._profiler import _EventType
 
-    def walk(nodes):
+    def walk(nodes, ops=()):
         for node in nodes:
-            yield node
-            yield from walk(node.children)
+            if node.tag == _EventType.Allocation:
+                yield node, ops
+            else:
+                yield from walk(node.children, ops + (node.name, ))
 
-    events = [e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation]
-    return sorted(events, key=lambda e: e.start_time_ns)
+    events = sorted(walk(prof.profiler.kineto_results.experimental_event_tree()), key=lambda e: e[0].start_time_ns)
+    backend, kept = set(), []
+    for event, ops in events:
+        ptr, size = event.extra_fields.ptr, event.extra_fields.alloc_size
+        if size > 0 and any(op.startswith(("c10d::", "gloo:")) for op in ops):
+            backend.add(ptr)
+        elif size < 0 and ptr in backend:
+            backend.discard(ptr)  # its free; the address may be reused by a counted tensor later
+        else:
+            kept.append((event, " < ".join(reversed([op for op in ops if not op.startswith("phase:")][-3:]))))
+    return kept
+
+
+def _at_peak(events, upto, top=12):
+    """The allocations made in the step and still alive at event ``upto`` (the peak), grouped by the
+    three innermost operators that made them: [(MiB, count, operators)], largest first."""
+    live = {}
+    for event, who in events[:upto + 1]:
+        f = event.extra_fields
+        if f.alloc_size > 0:
+            live[f.ptr] = (f.alloc_size, who)
+        else:
+            live.pop(f.ptr, None)
+    groups = {}
+    for size, who in live.values():
+        total, count = groups.get(who, (0, 0))
+        groups[who] = (total + size, count + 1)
+    return sorted(((b / B.MB, n, who) for who, (b, n) in groups.items()), reverse=True)[:top]
 
 
 def profiled_step(variant, i):
@@ -225,14 +259,14 @@ def profiled_step(variant, i):
         torch.cuda.synchronize()
         out["cuda_peak"] = torch.cuda.max_memory_allocated()
     net = peak = 0
-    at = None
-    for e in _allocations(prof):
-        if e.extra_fields.device.type != B.device().type:
-            continue
+    at = upto = None
+    events = [(e, who) for e, who in _allocations(prof) if e.extra_fields.device.type == B.device().type]
+    for k, (e, _) in enumerate(events):
         net += e.extra_fields.alloc_size
         if net > peak:
-            peak, at = net, e.start_time_ns
+            peak, at, upto = net, e.start_time_ns, k
     out["growth"] = peak
+    out["at_peak"] = [] if upto is None else _at_peak(events, upto)
     start_ns = prof.profiler.kineto_results.trace_start_ns()
     out["peak_phase"] = "-" if at is None else _phase_of(prof, (at - start_ns) / 1000)
     return out
@@ -252,12 +286,14 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
            "activations_mb": step["activations"] / B.MB,
            "by_buffer_mb": {k: v / B.MB for k, v in step["state"].items()},
            "live_at_step_start_mb": live / B.MB, "step_growth_mb": step["growth"] / B.MB,
-           "peak_live_mb": (live + step["growth"]) / B.MB, "peak_phase": step["peak_phase"]}
+           "peak_live_mb": (live + step["growth"]) / B.MB, "peak_phase": step["peak_phase"], "at_peak": step["at_peak"]}
     if "cuda_peak" in step:
         row["cuda_at_step_start_mb"] = step["cuda_start"] / B.MB
         row["cuda_step_peak_mb"] = step["cuda_peak"] / B.MB
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
+    highest = max(rows, key=lambda r: r["peak_live_mb"])  # the rank whose peak is reported: its phase, its tensors
+    row["peak_phase"], row["at_peak"] = highest["peak_phase"], highest["at_peak"]
     keys = set().union(*(r["by_buffer_mb"] for r in rows))
     row["by_buffer_mb"] = {k: max(r["by_buffer_mb"].get(k, 0.0) for r in rows) for k in keys}
     for key in ("activations_mb", "live_at_step_start_mb", "step_growth_mb", "peak_live_mb", "cuda_at_step_start_mb",
@@ -265,6 +301,24 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
         if key in row:
             row[key] = max(r[key] for r in rows)
     return row
+
+
+def _median_of_runs(runs):
+    """One row per (size, dtype, variant): the first run's buffers (counted bytes do not change between
+    runs) with the median of the runs' peaks, and each run's peak live / FSDP2's from the same run."""
+    rows = []
+    for i, first in enumerate(runs[0]):
+        same = [run[i] for run in runs]
+        row = dict(first)
+        for key in ("peak_live_mb", "peak_rss_mb", "cuda_step_peak_mb"):
+            if key in row:
+                row[key] = B.median([r[key] for r in same])
+        fsdp = [next(x for x in run if x["size"] == first["size"] and x["dtype"] == first["dtype"]
+                     and x["variant"] == "FSDP2") for run in runs]
+        row["live_ratio_runs"] = [r["peak_live_mb"] / f["peak_live_mb"] for r, f in zip(same, fsdp)]
+        row["live_ratio"] = B.median(row["live_ratio_runs"])  # paired: each run against FSDP2's of that run
+        rows.append(row)
+    return rows
 
 
 def _column(row, category):
@@ -313,9 +367,16 @@ def main():
     variants = peers.VARIANTS[:1] + [peers.BLOCK_BUCKETS] + peers.VARIANTS[1:]
     ap.add_argument("--variants", nargs="+", default=variants, choices=variants,
                     help="FSDP2 is always run (the baseline)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every variant this many times (fresh processes each) and report the median peak; "
+                         "peak live moves by a few MiB between runs (when the ranks' collectives free buffers)")
+    ap.add_argument("--at-peak", action="store_true",
+                    help="also list what each variant allocated in the step and still held at its peak, by operator")
     args = ap.parse_args()
     variants = [v for v in variants if v in args.variants or v == "FSDP2"]
-    rows = [B.launch(breakdown, s, v, dt)[0] for s in args.sizes for dt in args.dtypes for v in variants]
+    runs = [[B.launch(breakdown, s, v, dt)[0] for s in args.sizes for dt in args.dtypes for v in variants]
+            for _ in range(args.repeat)]
+    rows = _median_of_runs(runs)
     table_rows = []
     cuda = all("cuda_step_peak_mb" in r for r in rows)
     for r in rows:
@@ -326,13 +387,16 @@ def main():
         table_rows.append([r["size"], r["dtype"], r["variant"]] + [f"{_column(r, c):.1f}" for c in CATEGORIES]
                           + [f"{state:.1f}", f"{state / fsdp_state:.2f}", f"{r['activations_mb']:.1f}",
                              f"{r['peak_live_mb']:.1f} ({r['peak_phase']})",
-                             f"{r['peak_live_mb'] / fsdp['peak_live_mb']:.2f}",
+                             f"{r['live_ratio']:.2f}"
+                             + (f" ({min(r['live_ratio_runs']):.2f}-{max(r['live_ratio_runs']):.2f})"
+                                if args.repeat > 1 else ""),
                              f"{r['peak_rss_mb']:.1f}", f"{r['peak_rss_mb'] / fsdp['peak_rss_mb']:.2f}"]
                           + ([f"{r['cuda_step_peak_mb']:.1f}", f"{r['cuda_step_peak_mb'] / fsdp['cuda_step_peak_mb']:.2f}"]
                              if cuda else []))
     table = B.fmt_table(["size", "dtype", "variant"] + [f"{c} MiB" for c in CATEGORIES]
                         + ["state MiB", "state / FSDP2", "activations MiB", "peak live MiB (phase)",
-                           "peak live / FSDP2", *(["allocated peak, build + steps 1-2 MiB", "/ FSDP2"] if cuda
+                           "peak live / FSDP2" + (f" (median of {args.repeat}, range)" if args.repeat > 1 else ""),
+                           *(["allocated peak, build + steps 1-2 MiB", "/ FSDP2"] if cuda
                                                   else ["peak RSS MiB", "peak RSS / FSDP2"])]
                         + (["cuda max allocated in step MiB", "/ FSDP2"] if cuda else []), table_rows)
     others = sorted({k for r in rows for k in r["by_buffer_mb"] if k.startswith("other")})
@@ -346,9 +410,15 @@ def main():
     if detail:
         print("\n'other', by the attribute that holds it:\n")
         print(detail)
+    if args.at_peak:
+        for r in runs[0]:
+            print(f"\nAt the peak of {r['size']} {r['dtype']} {r['variant']} ({r['peak_live_mb']:.1f} MiB, "
+                  f"{r['peak_phase']}): allocated in the step and alive, by the operators that made it\n")
+            print(B.fmt_table(["MiB", "tensors", "operators (innermost first)"],
+                              [[f"{mb:.2f}", n, who] for mb, n, who in r["at_peak"]]))
     result = "RESULT " + " ".join(
         f"{key}_vs_fsdp2_{r['size']}_{r['dtype']}{'_block' if r['variant'] == peers.BLOCK_BUCKETS else ''}="
-        f"{r[field] / f[field]:.2f}"
+        f"{r['live_ratio'] if key == 'live' else r[field] / f[field]:.2f}"
         for r in rows if r["variant"].startswith("ours")
         for f in rows if f["variant"] == "FSDP2" and f["size"] == r["size"] and f["dtype"] == r["dtype"]
         for key, field in (("state", "state_mb"), ("live", "peak_live_mb"), ("rss", "peak_rss_mb"))

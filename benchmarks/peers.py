@@ -30,7 +30,7 @@ D_IN, ENC_LAYERS, SEQ, MICRO_BS = 64, 1, 32, 8
 VARIANTS = ["ours (Z2 + Z3)", "super-module (Z3)", "FSDP2"]
 # Ours with the ZeRO-3 LLM set to work per block, as FSDP2 does: reduction and prefetch buckets of
 # one block's elements, parameters released after their forward unless reused within one block,
-# the update and its gradient partitions in sub-groups of one block (DeepSpeed's defaults, 5e8 /
+# the update and its gradient partitions in sub-groups of one block's partition (DeepSpeed's defaults, 5e8 /
 # 5e7 / 1e9 / 1e9 elements, keep a smaller model's whole unpartitioned gradient in the bucket
 # until the backward ends, every gathered block from its forward to its backward, and the
 # update's fp32 gradient and temporaries the size of the whole partition).
@@ -89,10 +89,12 @@ def build_variant(variant, size, encoder, llm, dtype="fp32") -> Variant:
         enc = B.build_engine(deepspeed_multi.initialize, encoder, B.ds_config(2, dtype, micro_bs=MICRO_BS))
         cfg = B.ds_config(3, dtype, micro_bs=MICRO_BS)
         if variant == BLOCK_BUCKETS:
+            import torch.distributed as dist
             block = B.n_params(llm.blocks[0])
+            # sub_group_size counts this rank's partition elements: one block's share is block / world
             cfg["zero_optimization"].update(reduce_bucket_size=block, stage3_prefetch_bucket_size=block,
                                             stage3_max_reuse_distance=block, stage3_max_live_parameters=2 * block,
-                                            sub_group_size=block)
+                                            sub_group_size=-(-block // dist.get_world_size()))
         big = B.build_engine(deepspeed_multi.initialize, llm, cfg)
 
         def loss(i):

@@ -38,8 +38,9 @@ SECTIONS = [
      "and the phase it falls in, and the peak resident memory. "
      "Counted bytes are exact and machine-independent; a buffer allocated and never touched counts in full (a GPU "
      "allocates it) but is not resident on this CPU. 'ours, block-sized buckets' sets the LLM's "
-     "`reduce_bucket_size`, `stage3_prefetch_bucket_size`, `stage3_max_reuse_distance` and `sub_group_size` to "
-     "one block's elements (`stage3_max_live_parameters` to two), as FSDP2 works per block."),
+     "`reduce_bucket_size`, `stage3_prefetch_bucket_size` and `stage3_max_reuse_distance` to one block's elements "
+     "(`stage3_max_live_parameters` to two) and `sub_group_size` to one block's partition, as FSDP2 works per "
+     "block."),
     ("parts", "One model, several ZeRO stages: the LLM at ZeRO-3 inside one model",
      "Vision tower -> projector -> LLM as one `nn.Module` under one loss: ours (`deepspeed_multi.submodules` puts "
      "the LLM at ZeRO-3, the rest of the model at ZeRO-2) against the whole model in one upstream ZeRO-3 engine "
