@@ -16,7 +16,7 @@ largest size fits a 2-core CPU box in minutes.
 
 Per point the variants are built in the same 2 ranks and stepped interleaved (AdamW, fp32);
 the figure is the median step time and the paired per-step ratio ours / super-module.
-Prints two tables and ``RESULT growth_chain_16=.. growth_parallel_16=.. growth_chain_16_z2=.. .. growth_params_max=..``;
+Prints three tables (the step times, their phases, the parameter sweep) and ``RESULT growth_chain_16=.. growth_parallel_16=.. growth_chain_16_z2=.. .. growth_params_max=..``;
 writes benchmarks/results/growth.json and .png (two panels).
 
 Usage: python benchmarks/growth.py [--steps 6] [--warmup 2] [--engines 1 2 4 8 16] [--stages alt 2 3]
@@ -57,6 +57,7 @@ def _batch(i, shape, dev):
     return torch.randn(*shape, generator=g).to(dev), torch.randn(*shape, generator=g).to(dev)
 
 
+PHASES = ("forward", "backward", "step")
 STAGES = {"alt": lambda k: 2 + k % 2, "2": lambda k: 2, "3": lambda k: 3}  # --stages: tower k's ZeRO stage
 
 
@@ -73,8 +74,14 @@ def _engine_count_variants(n, wiring, stages="alt"):
 
     def super_module(i):
         x, y = _batch(i, shape, dev)
-        upstream.backward(_loss(upstream(x), y))
-        upstream.step()
+        timer = B.PhaseTimer()
+        with timer("forward"):
+            loss = _loss(upstream(x), y)
+        with timer("backward"):
+            upstream.backward(loss)
+        with timer("step"):
+            upstream.step()
+        return timer.phases
 
     return {"ours": towers_step(engines, wiring, shape), "super-module": super_module}, sum(B.n_params(t) for t in towers)
 
@@ -84,16 +91,23 @@ def towers_step(engines, wiring, shape):
     dev = B.device()
 
     def step(i):
+        """One step; returns the seconds spent in forward, backward and the engines' step() calls."""
         x, y = _batch(i, shape, dev)
-        if wiring == "chained":
+        timer = B.PhaseTimer()
+        with timer("forward"):
+            if wiring == "chained":
+                for e in engines:
+                    x = e(x)
+                outs = x
+            else:
+                outs = [e(x) for e in engines]
+            loss = _loss(outs, y)
+        with timer("backward"):
+            loss.backward()
+        with timer("step"):
             for e in engines:
-                x = e(x)
-            outs = x
-        else:
-            outs = [e(x) for e in engines]
-        _loss(outs, y).backward()
-        for e in engines:
-            e.step()
+                e.step()
+        return timer.phases
     return step
 
 
@@ -129,7 +143,8 @@ def timing(engine_counts, stage_sets, dims, warmup, steps):
                 variants, params = _engine_count_variants(n, wiring, stages)
                 t = B.interleave(variants, warmup, steps)
                 out["engines"].append({"stages": stages, "wiring": wiring, "n": n, "params": params,
-                                       **{k: v["total"] for k, v in t.items()}})
+                                       **{k: v["total"] for k, v in t.items()},
+                                       "phases": {k: {p: v[p] for p in PHASES} for k, v in t.items()}})
                 del variants
                 gc.collect()
     for d in dims:
@@ -146,7 +161,7 @@ def main():
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--stages", nargs="+", default=["alt", "2", "3"], choices=list(STAGES),
                     help="the towers' ZeRO stages: alt (2, 3, 2, ...), 2 or 3; the super-module is ZeRO-3 in all")
-    ap.add_argument("--dims", type=int, nargs="+", default=[40, 128, 400, 1248])
+    ap.add_argument("--dims", type=int, nargs="*", default=[40, 128, 400, 1248], help="none: skip the parameter sweep")
     ap.set_defaults(steps=6, warmup=2)
     args = ap.parse_args()
     t = B.launch(timing, args.engines, args.stages, args.dims, args.warmup, args.steps, timeout_s=5400)[0]
@@ -162,11 +177,18 @@ def main():
         rows_p.append([r["d"], f"{r['params']:.3g}", f"{r['ours_ms']:.1f}", f"{r['super_ms']:.1f}", f"{r['ratio']:.3f}"])
     table_e = B.fmt_table(["stages", "wiring", "engines", "params", "ours ms", "super-module ms", "ours / super-module (paired)"],
                           rows_e)
+    rows_ph = [[r["stages"], r["wiring"], r["n"]] + [f"{B.median(r['phases'][v][p]):.1f}" for p in PHASES
+                                                    for v in ("ours", "super-module")]
+               for r in t["engines"]]
+    table_ph = B.fmt_table(["stages", "wiring", "engines"] + [f"{p} {v} ms" for p in PHASES
+                                                              for v in ("ours", "super-module")], rows_ph)
     table_p = B.fmt_table(["width d", "params", "ours ms", "super-module ms", "ours / super-module (paired)"], rows_p)
     print(f"\nEngines in one loss: N towers (1 block, d={D_ENGINE}), stages alternating 2,3,2,.. (alt), all 2 or all 3, "
           f"micro-batch {MICRO_BS}x{SEQ}, {B.WORLD_SIZE} ranks on {B.device().type}, median of {args.steps} steps after {args.warmup} warm-up; baseline: the N "
           "towers as one module in one upstream ZeRO-3 engine\n")
     print(table_e)
+    print("\nWhere the time goes: the median of each phase (forward incl. the loss, backward, the step() calls)\n")
+    print(table_ph)
     print(f"\nParameters: encoder (ZeRO-2, 1 block) -> LLM (ZeRO-3, {P_LAYERS} blocks), width d, micro-batch "
           f"{P_MICRO_BS}x{P_SEQ}; baseline: one upstream ZeRO-3 engine over both\n")
     print(table_p)
@@ -202,6 +224,9 @@ def main():
         c.set_title("Ratio vs number of engines")
         c.legend(fontsize=7)
         ps = t["params"]
+        if not ps:  # --dims with no value: no parameter sweep
+            b.set_axis_off()
+            return fig
         b.plot([r["params"] for r in ps], [r["ours_ms"] for r in ps], marker="o", label="ours (Z2 + Z3)")
         b.plot([r["params"] for r in ps], [r["super_ms"] for r in ps], marker="o", linestyle="--",
                label="super-module (Z3)")
@@ -213,7 +238,7 @@ def main():
         return fig
 
     B.save("growth", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "engines": t["engines"],
-                      "params": t["params"], "table": table_e + "\n\n" + table_p, "result": result}, plot)
+                      "params": t["params"], "table": table_e + "\n\n" + table_ph + "\n\n" + table_p, "result": result}, plot)
     print(result)
 
 
