@@ -110,7 +110,7 @@ FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "stage3_grad_view": (_Z3, ("_prepare_fp32_grad_for_sub_group", )),
     "stage12_bucket_size": (_Z12, ("setup_buckets", )),  # and stage12_bucket_pack's flush method, unchanged
     "stage3_bucket_size": (_Z3, ("reduce_independent_p_g_buckets_and_remove_grads", _MANGLED + "add_grad_to_ipg_bucket",
-                                 _MANGLED + "reduce_and_partition_ipg_grads")),
+                                 _MANGLED + "reduce_and_partition_ipg_grads")),  # and stage3_lazy_grads' epilogue
     "stage12_master_alias": (_Z12, ("initialize_optimizer_states", "_link_all_hp_params", "state_dict",
                                     "_restore_from_bit16_weights", "update_lp_params")),
     "stage3_master_alias": (_Z3, ("_create_fp32_partitions", "initialize_optimizer_states", "_optimizer_step",

@@ -12,7 +12,8 @@ does not apply):
 feature                stages      what it replaces
 =====================  ==========  ==================================================================
 stage12_bucket_size    1, 2        bucket buffers of reduce_bucket_size elements, allocated every window
-stage3_bucket_size     3           the bucket buffer of reduce_bucket_size elements (both: bucket_size)
+stage3_bucket_size     3           the bucket buffer of reduce_bucket_size elements, held from construction on
+                                   (both: bucket_size)
 stage12_master_alias   1, 2        the fp32 master partition cloned from fp32 parameters
 stage3_master_alias    3           the fp32 master partition cloned from fp32 parameters (both: master_alias)
 stage12_hook_count     1, 2        the per-backward used-parameter count in DeepSpeed's grad hooks
@@ -27,11 +28,14 @@ stage12_bucket_pack    1, 2        one copy per parameter into the bucket (fused
 =====================  ==========  ==================================================================
 
 [Note: the install order]
-Features replace disjoint methods, so their order changes no result; two things depend on it:
+Features replace disjoint methods, so their order changes no result; three things depend on it:
 the direct-use check wraps DeepSpeed's per-parameter hook methods before anything else so that
-it sees every gradient first, and the rank-agreement wait rides on ``stage12_bucket_pack``
-(right before the bucket's first collective), so it is attached after the fused features and
-falls back to ``allreduce_gradients`` where the pack is not installed.
+it sees every gradient first; a feature that relies on a method another one replaces checks it
+before that one is installed (``stage3_lazy_grads`` the ZeRO-3 epilogue ``stage3_bucket_size``
+wraps, ``stage12_bucket_size`` the flush method ``stage12_bucket_pack`` replaces); and the
+rank-agreement wait rides on ``stage12_bucket_pack`` (right before the bucket's first
+collective), so it is attached after the fused features and falls back to
+``allreduce_gradients`` where the pack is not installed.
 """
 import logging
 
@@ -50,9 +54,12 @@ def install(optimizer, fused_reduce: bool) -> dict:
     ``{feature: installed}``. ``fused_reduce`` is the config option."""
     done = {stage3_predivide.FEATURE: stage3_predivide.install(optimizer),
             offload_grads.FEATURE: offload_grads.install(optimizer)}
-    done.update(bucket_size.install(optimizer))  # before stage12_bucket_pack replaces the flush method it checks
+    # stage3_lazy_grads checks the ZeRO-3 epilogue that bucket_size then wraps; bucket_size checks the
+    # ZeRO-1/2 flush method that stage12_bucket_pack replaces.
+    done[stage3_lazy_grads.FEATURE] = stage3_lazy_grads.install(optimizer)
+    done.update(bucket_size.install(optimizer))
     done.update(master_alias.install(optimizer))
-    for module in (stage12_hook_count, stage3_grad_view, stage3_lazy_grads, stage12_grad_view, stage12_overflow):
+    for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})
     return done

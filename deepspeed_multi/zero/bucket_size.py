@@ -1,4 +1,5 @@
-"""ZeRO-1/2/3: gradient bucket buffers no larger than the engine's trainable parameters.
+"""ZeRO-1/2/3: gradient bucket buffers no larger than the engine's trainable parameters; ZeRO-3's
+only while a backward fills it.
 
 [Note: buckets sized for the engine]
 With ``contiguous_gradients`` (DeepSpeed's default), DeepSpeed allocates each gradient bucket
@@ -17,6 +18,17 @@ still compares against ``reduce_bucket_size``, so buckets flush exactly where th
 collectives on the same elements, DeepSpeed's bits. The one construction-time ZeRO-3 buffer is
 still allocated at full size by DeepSpeed and replaced right after, so a peak at construction
 remains; on a GPU the caching allocator then reuses that block for other tensors.
+
+[Note: ZeRO-3's bucket exists during a backward only]
+ZeRO-1/2 allocate their buffers at the start of a window and drop them at the update. ZeRO-3's
+one buffer is held from construction on: through every forward and every update, where nothing
+is in it. At DeepSpeed's defaults it is as large as the engine's parameters (one fp32 copy of an
+fp32 model), so it is most of what puts a ZeRO-3 engine's forward and update peaks above FSDP2's
+(benchmarks/memory_breakdown.py). Here it is allocated at the first gradient that enters it in a
+backward (``__add_grad_to_ipg_bucket``) and dropped after the epilogue, which flushes every bucket
+and waits for the reduction stream before returning. What the bucket holds between the two is
+what it held before, so the flushes and their bits do not change; DeepSpeed's own
+``offload_states`` treats a bucket without a buffer as one with nothing to offload.
 ``DSM_BUCKET_SIZE=0`` keeps DeepSpeed's buffers (for A/B runs).
 """
 from __future__ import annotations
@@ -29,6 +41,8 @@ from ..switches import BUCKET_SIZE, switch_on
 FEATURE_Z12 = "stage12_bucket_size"
 FEATURE_Z3 = "stage3_bucket_size"
 _SETUP = "setup_buckets"
+_ADD_GRAD = compat._MANGLED + "add_grad_to_ipg_bucket"
+_EPILOGUE = "independent_gradient_partition_epilogue"
 
 
 def trainable_elements(optimizer) -> int:
@@ -57,6 +71,26 @@ def _sized_setup_buckets(elements: int):
     return setup_buckets
 
 
+def _add_grad_allocating(self, param):
+    """DeepSpeed's ``__add_grad_to_ipg_bucket``; the bucket's buffer is allocated by its first gradient
+    of a backward (see [Note: ZeRO-3's bucket exists during a backward only])."""
+    from deepspeed.accelerator import get_accelerator
+    dtype = self.get_param_comm_dtype(param)
+    bucket = self.ipg_buckets[dtype]
+    if bucket.buffer is None:
+        bucket.buffer = torch.empty(compat.state(self, FEATURE_Z3)["elements"], dtype=dtype,
+                                    device=get_accelerator().current_device_name())
+    return compat.original(self, _ADD_GRAD)(param)
+
+
+def _epilogue_releasing(self):
+    """DeepSpeed's epilogue, then the buckets it emptied let go of their buffers."""
+    compat.original(self, _EPILOGUE)()
+    for bucket in self.ipg_buckets.values():
+        if not bucket.params:
+            bucket.buffer = None
+
+
 def install(optimizer) -> dict:
     """Size the bucket buffers of a ZeRO-1/2/3 optimizer for its parameters; return ``{feature: installed}``."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -66,17 +100,17 @@ def install(optimizer) -> dict:
     if not (zero12 or zero3) or not switch_on(BUCKET_SIZE) or not optimizer.contiguous_gradients:
         return done
     elements = bucket_elements(optimizer)
-    if elements >= int(optimizer.reduce_bucket_size):
-        return done
     # ZeRO-1/2's flush rule is stage12_bucket_pack's method: checked there (and warned about there).
-    if (zero12 and compat.fast_path_exact(optimizer, FEATURE_Z12)
+    if (zero12 and elements < int(optimizer.reduce_bucket_size) and compat.fast_path_exact(optimizer, FEATURE_Z12)
             and compat.fast_path_exact(optimizer, "stage12_bucket_pack", warn=False)):
         compat.replace_method(optimizer, _SETUP, _sized_setup_buckets(elements), FEATURE_Z12)
         done[FEATURE_Z12] = True
-    elif zero3 and compat.fast_path_exact(optimizer, FEATURE_Z3):
+    elif (zero3 and compat.fast_path_exact(optimizer, FEATURE_Z3)  # the epilogue: checked (and warned) by lazy_grads
+          and compat.exact(optimizer, DeepSpeedZeroOptimizer_Stage3, (_EPILOGUE, ), FEATURE_Z3, warn=False)):
         for bucket in optimizer.ipg_buckets.values():
-            if bucket.buffer is not None and bucket.buffer.numel() > elements:
-                bucket.buffer = torch.empty(elements, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+            bucket.buffer = None  # allocated by the first gradient of each backward, at ``elements``
+        compat.replace_method(optimizer, _ADD_GRAD, _add_grad_allocating, FEATURE_Z3)
+        compat.replace_method(optimizer, _EPILOGUE, _epilogue_releasing, FEATURE_Z3)
         done[FEATURE_Z3] = True
     for feature, on in done.items():
         if on:

@@ -333,8 +333,15 @@ def bucket_buffers_sized(stage, dtype, overlap):
     assert bucket_size.sized_elements(opt) == elements, f"{where}: buckets not sized ({bucket_size.sized_elements(opt)})"
     assert opt.reduce_bucket_size == big, f"{where}: the flush rule's reduce_bucket_size changed"
     allocated = []  # the buffers' sizes: ZeRO-1/2 allocate them per window (and may release them in backward)
-    if stage == 3:
-        allocated += [bucket.buffer.numel() for bucket in opt.ipg_buckets.values() if bucket.buffer is not None]
+    if stage == 3:  # allocated by a backward's first gradient, released by its epilogue (bucket_size.py)
+        assert all(b.buffer is None for b in opt.ipg_buckets.values()), f"{where}: a bucket buffer before any backward"
+        add = opt._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket
+
+        def spy(param):
+            add(param)
+            allocated.extend(b.buffer.numel() for b in opt.ipg_buckets.values() if b.buffer is not None)
+
+        opt._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket = spy
     else:
         setup = opt.setup_buckets
 
@@ -348,6 +355,8 @@ def bucket_buffers_sized(stage, dtype, overlap):
     for step in range(4):
         x, y = _batch(step)
         ((engine(x) - y)**2).mean().backward()
+        if stage == 3:
+            assert all(b.buffer is None for b in opt.ipg_buckets.values()), f"{where}: bucket buffer kept after backward"
         engine.step()
         _reference_micro_step(ref, ref_opt, step, gas)
     # fp32 to 1e-5, bf16 by the update's cosine and norm, as the correctness matrix compares

@@ -29,7 +29,8 @@ from harness import run_distributed
 STAGES = (1, 2, 3)
 # Features installed only together with another, or relying on another's checked method: off with it.
 DEPENDS_ON = {"stage3_partition": {"stage3_scatter"}, "stage12_reduce": {"stage12_bucket_pack"},
-              "stage12_grad_view": {"stage12_overflow_view"}, "stage12_bucket_pack": {"stage12_bucket_size"}}
+              "stage12_grad_view": {"stage12_overflow_view"}, "stage12_bucket_pack": {"stage12_bucket_size"},
+              "stage3_lazy_grads": {"stage3_bucket_size"}}  # (the ZeRO-3 epilogue, which bucket_size wraps)
 # Buckets larger than the models (416 elements), so that the bucket buffers are sized for them
 # (zero/bucket_size.py) and the fused bucket passes see several parameters per bucket.
 BUCKET = 1000
