@@ -16,7 +16,8 @@ largest size fits a 2-core CPU box in minutes.
 
 Per point the variants are built in the same 2 ranks and stepped interleaved (AdamW, fp32);
 the figure is the median step time and the paired per-step ratio ours / super-module.
-Prints three tables (the step times, their phases, the parameter sweep) and ``RESULT growth_chain_16=.. growth_parallel_16=.. growth_chain_16_z2=.. .. growth_params_max=..``;
+Prints three tables (the step times, their phases, the parameter sweep) and
+``RESULT growth_chain_16=.. growth_parallel_16=.. growth_chain_16_z2=.. .. growth_params_max=..``;
 writes benchmarks/results/growth.json and .png (two panels).
 
 Usage: python benchmarks/growth.py [--steps 6] [--warmup 2] [--engines 1 2 4 8 16] [--stages alt 2 3]
@@ -238,7 +239,8 @@ def main():
         return fig
 
     B.save("growth", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "engines": t["engines"],
-                      "params": t["params"], "table": table_e + "\n\n" + table_ph + "\n\n" + table_p, "result": result}, plot)
+                      "params": t["params"], "table": "\n\n".join((table_e, table_ph, table_p)), "result": result},
+           plot)
     print(result)
 
 
