@@ -16,8 +16,8 @@ once per backward), and every backward ends with a flush. So the buffers are all
 ``min(reduce_bucket_size, trainable elements)``. The rule that decides when a bucket is flushed
 still compares against ``reduce_bucket_size``, so buckets flush exactly where they did: the same
 collectives on the same elements, DeepSpeed's bits. The one construction-time ZeRO-3 buffer is
-still allocated at full size by DeepSpeed and replaced right after, so a peak at construction
-remains; on a GPU the caching allocator then reuses that block for other tensors.
+still allocated at full size by DeepSpeed and dropped right after (see the next Note), so a peak
+at construction remains; on a GPU the caching allocator then reuses that block for other tensors.
 
 [Note: ZeRO-3's bucket exists during a backward only]
 ZeRO-1/2 allocate their buffers at the start of a window and drop them at the update. ZeRO-3's
@@ -74,10 +74,10 @@ def _sized_setup_buckets(elements: int):
 def _add_grad_allocating(self, param):
     """DeepSpeed's ``__add_grad_to_ipg_bucket``; the bucket's buffer is allocated by its first gradient
     of a backward (see [Note: ZeRO-3's bucket exists during a backward only])."""
-    from deepspeed.accelerator import get_accelerator
     dtype = self.get_param_comm_dtype(param)
     bucket = self.ipg_buckets[dtype]
-    if bucket.buffer is None:
+    if bucket.buffer is None:  # once per backward; every other gradient goes straight to DeepSpeed's method
+        from deepspeed.accelerator import get_accelerator
         bucket.buffer = torch.empty(compat.state(self, FEATURE_Z3)["elements"], dtype=dtype,
                                     device=get_accelerator().current_device_name())
     return compat.original(self, _ADD_GRAD)(param)
