@@ -13,10 +13,11 @@ Prints a table and ``RESULT overhead_ratio_z1=.. overhead_ratio_z2=.. overhead_r
 (ours / upstream step time, fp32; goal <= 1.00 within noise), writes
 benchmarks/results/overhead.json and overhead.png.
 
-``--watchdog``, ``--rank-agreement``, ``--meet``, ``--bucket-size``, ``--lazy-grads`` and ``--overflow-by-norm`` measure
-one feature instead: a third variant, ours with that feature off (``watchdog_timeout_s=0``,
-``DSM_CHECK_RANK_AGREEMENT=0``, ``agree_before_collectives=false``, ``DSM_BUCKET_SIZE=0``,
-``DSM_ZERO3_LAZY_GRADS=0`` or ``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
+``--watchdog``, ``--rank-agreement``, ``--meet``, ``--bucket-size``, ``--lazy-grads``, ``--cast-on-gather`` and
+``--overflow-by-norm`` measure one feature instead: a third variant, ours with that feature off
+(``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``, ``agree_before_collectives=false``,
+``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0`` or
+``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
 (feature on, the default) / ours (off) as a paired ratio beside the upstream baseline of the same
 run, prints ``RESULT watchdog_ratio_z1=.. ..`` (``rank_agreement_ratio_..``,
 ``overflow_by_norm_ratio_..``) and writes results/overhead_watchdog.json (and so on). ``--dtypes``
@@ -46,7 +47,8 @@ FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
             "overflow_by_norm": {"config": {}, "env": {"DSM_ZERO12_OVERFLOW_BY_NORM": "0"}},
             "meet": {"config": {"agree_before_collectives": False}, "env": {}},
             "bucket_size": {"config": {}, "env": {"DSM_BUCKET_SIZE": "0"}},
-            "lazy_grads": {"config": {}, "env": {"DSM_ZERO3_LAZY_GRADS": "0"}}}
+            "lazy_grads": {"config": {}, "env": {"DSM_ZERO3_LAZY_GRADS": "0"}},
+            "cast_on_gather": {"config": {}, "env": {"DSM_ZERO3_CAST_ON_GATHER": "0"}}}
 
 
 def _make(initialize, stage, dtype, model, **extra):
@@ -120,6 +122,9 @@ def main():
                     help="ours with the bucket buffers sized for the engine (zero/bucket_size.py) on vs off")
     ap.add_argument("--lazy-grads", action="store_true",
                     help="ours with ZeRO-3's gradient partitions allocated per window (zero/stage3_lazy_grads.py) on vs off")
+    ap.add_argument("--cast-on-gather", action="store_true",
+                    help="ours with bf16 ZeRO-3's partition cast from the master at each gather "
+                    "(zero/stage3_cast_on_gather.py) on vs off (use --dtypes bf16)")
     ap.add_argument("--overflow-by-norm", action="store_true",
                     help="ours with the ZeRO-1/2 norm deciding overflow vs DeepSpeed's flag collective (see above)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],

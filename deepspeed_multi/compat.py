@@ -118,6 +118,16 @@ FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     # and partition_grads, checked by stage3_partition
     "stage3_lazy_grads": (_Z3, ("independent_gradient_partition_epilogue", "offload_states", "reload_states",
                                 "has_overflow")),
+    "stage3_cast_on_gather": (_Z3, ("_create_fp16_partitions_with_defragmentation", "_set_fp16_partitioned_groups_flat",
+                                    "_reassign_or_swap_out_partitioned_parameters",
+                                    "_unflatten_partitioned_parameters", "set_full_hp_param", "set_local_hp_param",
+                                    "_restore_from_bit16_weights", "_rigid_load_state_dict",
+                                    "load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+                                    "load_module_checkpoint_state_from_checkpoint_dir_stage3")),
+    # its gathers and writes: every reader and writer of ds_tensor in deepspeed.zero.Init
+    "stage3_cast_on_gather_init": ("Init", ("_convert_to_deepspeed_param", "_all_gather", "_partition",
+                                            "_partition_param", "_allgather_param", "_allgather_params_coalesced",
+                                            "_allgather_params_sequential")),
 }
 
 
@@ -370,6 +380,10 @@ def exact(obj, cls, names: Iterable[str], feature: str, warn: bool = True) -> bo
     for name in names:
         if name in vars(obj) or getattr(type(obj), name, None) is not getattr(cls, name, None):
             return False
+    return _sources_checked(cls, names, feature, warn)
+
+
+def _sources_checked(cls, names: Tuple[str, ...], feature: str, warn: bool) -> bool:
     if not fast_paths_allowed():
         return False
     for name in names:
@@ -382,6 +396,12 @@ def exact(obj, cls, names: Iterable[str], feature: str, warn: bool = True) -> bo
                                installed_version(), cls.__name__, name)
             return False
     return True
+
+
+def class_exact(feature: str, warn: bool = True) -> bool:
+    """:func:`exact` for a class whose methods a fast path wraps class-wide: the sources only."""
+    owner, names = FAST_PATH_METHODS[feature]
+    return _sources_checked(_class(owner), tuple(names), feature, warn)
 
 
 def fast_path_exact(obj, feature: str, warn: bool = True) -> bool:

@@ -491,3 +491,104 @@ def lazy_grad_partitions(dtype):
         assert engine.skipped_steps == flat.skipped_steps == 1, (where, engine.skipped_steps, flat.skipped_steps)
     if dtype == "fp32":
         _assert_close(full_params(engine), dict(ref.named_parameters()), where)
+
+
+def _gathered(module):
+    """Every parameter's gathered 16-bit (or fp32) value, as the forward sees it."""
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def cast_on_gather(dtype, path):
+    """bf16/fp16 ZeRO-3 (deepspeed_multi/zero/stage3_cast_on_gather.py): no 16-bit partition is
+    held between gathers; the forward's values, the losses and the updates are DeepSpeed's bits
+    (DSM_ZERO3_CAST_ON_GATHER=0) through a write under GatheredParameters (kept until the next
+    update, then overwritten by the master, as DeepSpeed does), a master write with
+    safe_set_full_fp32_param (not seen until the next update), a gather mixing another engine's
+    parameters, an fp16 overflow that skips an update, DeepSpeed's layout put back, and checkpoints
+    (full and module-only, which refreshes the masters from the 16-bit values)."""
+    import os
+
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    from deepspeed_multi import compat
+    from deepspeed_multi.zero import stage3_cast_on_gather as cog
+    gas = 2
+    cfg = ds_config(3, dtype, gas=gas, gradient_clipping=1.0, zero_optimization={"sub_group_size": 100})
+    build = functools.partial(_adamw_engine, cfg)
+    engine, theirs = build(), _switched_off(build, "DSM_ZERO3_CAST_ON_GATHER")
+    where = f"ZeRO-3 {dtype}"
+    assert compat.installed(engine.optimizer, cog.FEATURE), where
+    assert not compat.installed(theirs.optimizer, cog.FEATURE), where
+    assert len(engine.optimizer.fp16_groups) > 1, (where, "want several sub-groups")
+    one = torch.empty(0, dtype=engine.optimizer.lp_param_buffer.dtype).element_size()
+
+    def held(e):  # bytes behind the 16-bit partitions
+        o = e.optimizer
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [o.lp_param_buffer, *cog.placeholders_of(o)]}
+
+    assert sum(held(engine).values()) == one, (where, held(engine))
+    assert sum(held(theirs).values()) == theirs.optimizer.lp_param_buffer.numel() * one, where
+
+    def same(step, what):
+        ours, deepspeeds = full_params(engine), full_params(theirs)  # the fp32 masters
+        assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), f"{where}: step {step}: {what}: masters"
+        ours, deepspeeds = _gathered(engine.module), _gathered(theirs.module)
+        assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), f"{where}: step {step}: {what}: 16-bit values"
+
+    write = torch.linspace(-1, 1, engine.module.fc2.weight.ds_numel).view(engine.module.fc2.weight.ds_shape)
+    for step in range(8):
+        x, y = _batch(step)
+        poison = torch.zeros_like(y)
+        if dtype == "fp16" and step == 1 and dist.get_rank() == 0:
+            poison[0, 0] = float("inf")  # the first window overflows on one rank: both skip its update
+        for e in (engine, theirs):
+            if step == 3:  # mid-window: a write of the gathered 16-bit value, DeepSpeed's until the update
+                with deepspeed.zero.GatheredParameters([e.module.fc1.bias], modifier_rank=0):
+                    if dist.get_rank() == 0:
+                        e.module.fc1.bias.data.fill_(0.5)
+            if step == 5:  # a master write: the 16-bit value is DeepSpeed's old one until the update
+                safe_set_full_fp32_param(e.module.fc2.weight, write)
+        if step in (3, 5):
+            same(step, "after the write")
+        losses = []
+        for e in (engine, theirs):
+            out = e(x)
+            loss = ((out - y)**2).mean() + (out * poison).sum()
+            loss.backward()
+            losses.append(loss.detach())
+            e.step()
+        assert torch.equal(losses[0], losses[1]), f"{where}: step {step}: loss {losses[0]} vs {losses[1]}"
+        same(step, "after the step")
+        assert sum(held(engine).values()) == one or step >= 6, (where, step, held(engine))
+        if step == 6:  # DeepSpeed's layout back for good (what offload_states runs first)
+            cog.restore(engine.optimizer)
+            assert sum(held(engine).values()) == sum(held(theirs).values()), where
+            same(step, "layout restored")
+    if dtype == "fp16":
+        assert theirs.skipped_steps == 1, (where, theirs.skipped_steps)
+    # a gather mixing an engine without this feature (first) and one with it
+    mixed = [theirs.module.fc1.weight, engine.module.fc1.weight]
+    with deepspeed.zero.GatheredParameters(mixed):
+        assert torch.isfinite(engine.module.fc1.weight).all(), where
+        assert engine.module.fc1.weight.shape == theirs.module.fc1.weight.shape, where
+
+    # checkpoints: full, then module-only (16-bit values -> masters)
+    theirs.save_checkpoint(path, tag="c")
+    dist.barrier()
+    for module_only in (False, True):
+        ours, again = build(), _switched_off(build, "DSM_ZERO3_CAST_ON_GATHER")
+        for e in (ours, again):
+            e.load_checkpoint(path, tag="c", load_module_only=module_only, load_optimizer_states=not module_only)
+        engine, theirs = ours, again
+        assert sum(held(engine).values()) == one, (where, module_only, held(engine))
+        same(-1, f"loaded (module only: {module_only})")
+        for step in (8, 9):
+            x, y = _batch(step)
+            for e in (engine, theirs):
+                ((e(x) - y)**2).mean().backward()
+                e.step()
+            same(step, f"after loading (module only: {module_only})")
+    assert os.path.isdir(path)
