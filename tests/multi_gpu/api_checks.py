@@ -500,7 +500,7 @@ def _gathered(module):
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def cast_on_gather(dtype, path):
+def cast_on_gather(dtype, path, persistence=0):
     """bf16/fp16 ZeRO-3 (deepspeed_multi/zero/stage3_cast_on_gather.py): no 16-bit partition is
     held between gathers; the forward's values, the losses and the updates are DeepSpeed's bits
     (DSM_ZERO3_CAST_ON_GATHER=0) through a write under GatheredParameters (kept until the next
@@ -515,10 +515,13 @@ def cast_on_gather(dtype, path):
     from deepspeed_multi import compat
     from deepspeed_multi.zero import stage3_cast_on_gather as cog
     gas = 2
-    cfg = ds_config(3, dtype, gas=gas, gradient_clipping=1.0, zero_optimization={"sub_group_size": 100})
+    cfg = ds_config(3, dtype, gas=gas, gradient_clipping=1.0,
+                    zero_optimization={"sub_group_size": 100, "stage3_param_persistence_threshold": persistence})
     build = functools.partial(_adamw_engine, cfg)
     engine, theirs = build(), _switched_off(build, "DSM_ZERO3_CAST_ON_GATHER")
-    where = f"ZeRO-3 {dtype}"
+    where = f"ZeRO-3 {dtype} persistence threshold {persistence}"
+    # (persistent parameters stay gathered between steps: re-gathered after each update)
+    assert (persistence > 0) == any(p.ds_persist for p in engine.module.parameters()), where
     assert compat.installed(engine.optimizer, cog.FEATURE), where
     assert not compat.installed(theirs.optimizer, cog.FEATURE), where
     assert len(engine.optimizer.fp16_groups) > 1, (where, "want several sub-groups")

@@ -72,7 +72,7 @@ def test_zero3_gradient_partitions_live_from_first_gradient_to_update(dtype):
     run_distributed(checks.lazy_grad_partitions, dtype)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_zero3_16bit_partition_cast_from_master_at_gather(dtype, tmp_path):
+@pytest.mark.parametrize("dtype, persistence", [("bf16", 0), ("fp16", 0), ("bf16", 100)])
+def test_zero3_16bit_partition_cast_from_master_at_gather(dtype, persistence, tmp_path):
     """deepspeed_multi/zero/stage3_cast_on_gather.py: [Note: one parameter partition in mixed precision]."""
-    run_distributed(checks.cast_on_gather, dtype, str(tmp_path))
+    run_distributed(checks.cast_on_gather, dtype, str(tmp_path), persistence)
