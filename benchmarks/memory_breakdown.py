@@ -2,7 +2,8 @@
 
 The workload is peers.py's (encoder ZeRO-2 -> LLM ZeRO-3 for ours, at DeepSpeed's default bucket
 sizes and with the LLM set to work per block: reduction and prefetch buckets, reuse distance and
-update sub-groups of one block (peers.BLOCK_BUCKETS); one upstream ZeRO-3
+update sub-groups of one block (peers.BLOCK_BUCKETS), and, when named in ``--variants``, the encoder
+at ZeRO-3 per block too (peers.BOTH_ZERO3: the sharding FSDP2 applies); one upstream ZeRO-3
 engine for the super-module; ``fully_shard`` per block for FSDP2; AdamW, both models trained), in fp32 and in
 bf16 (DeepSpeed's ``bf16`` section; FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then:
@@ -326,6 +327,9 @@ def _column(row, category):
                                                                              k.startswith("other")))
 
 
+_SUFFIX = {peers.BLOCK_BUCKETS: "_block", peers.BOTH_ZERO3: "_z3z3_block"}  # of the RESULT keys
+
+
 def plotter(rows):
     """The plot of ``rows``: each variant's buffers stacked, its peak live tensors and peak RSS marked;
     the axis stops above the largest peak, so the super-module's 5e8-element bucket is cut (labelled)."""
@@ -333,8 +337,8 @@ def plotter(rows):
     def plot(plt):
         import numpy as np
         fig, ax = plt.subplots(figsize=(12, 4.2))
-        short = {peers.VARIANTS[0]: "ours", peers.BLOCK_BUCKETS: "ours,\nblock", peers.VARIANTS[1]: "super",
-                 peers.VARIANTS[2]: "FSDP2"}
+        short = {peers.VARIANTS[0]: "ours", peers.BLOCK_BUCKETS: "ours,\nblock", peers.BOTH_ZERO3: "ours\nZ3+Z3",
+                 peers.VARIANTS[1]: "super", peers.VARIANTS[2]: "FSDP2"}
         x = np.arange(len(rows))
         bottom = np.zeros(len(rows))
         for c in CATEGORIES:
@@ -364,9 +368,9 @@ def main():
     ap = B.arg_parser(__doc__)
     ap.add_argument("--sizes", nargs="+", default=list(peers.SIZES), choices=list(peers.SIZES))
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    variants = peers.VARIANTS[:1] + [peers.BLOCK_BUCKETS] + peers.VARIANTS[1:]
-    ap.add_argument("--variants", nargs="+", default=variants, choices=variants,
-                    help="FSDP2 is always run (the baseline)")
+    variants = peers.VARIANTS[:1] + [peers.BLOCK_BUCKETS, peers.BOTH_ZERO3] + peers.VARIANTS[1:]
+    ap.add_argument("--variants", nargs="+", default=[v for v in variants if v != peers.BOTH_ZERO3], choices=variants,
+                    help="FSDP2 is always run (the baseline); the encoder at ZeRO-3 too only when named")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every variant this many times (fresh processes each) and report the median peak; "
                          "peak live moves by a few MiB between runs (when the ranks' collectives free buffers)")
@@ -417,7 +421,7 @@ def main():
             print(B.fmt_table(["MiB", "tensors", "operators (innermost first)"],
                               [[f"{mb:.2f}", n, who] for mb, n, who in r["at_peak"]]))
     result = "RESULT " + " ".join(
-        f"{key}_vs_fsdp2_{r['size']}_{r['dtype']}{'_block' if r['variant'] == peers.BLOCK_BUCKETS else ''}="
+        f"{key}_vs_fsdp2_{r['size']}_{r['dtype']}{_SUFFIX.get(r['variant'], '')}="
         f"{r['live_ratio'] if key == 'live' else r[field] / f[field]:.2f}"
         for r in rows if r["variant"].startswith("ours")
         for f in rows if f["variant"] == "FSDP2" and f["size"] == r["size"] and f["dtype"] == r["dtype"]

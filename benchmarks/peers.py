@@ -35,6 +35,9 @@ VARIANTS = ["ours (Z2 + Z3)", "super-module (Z3)", "FSDP2"]
 # until the backward ends, every gathered block from its forward to its backward, and the
 # update's fp32 gradient and temporaries the size of the whole partition).
 BLOCK_BUCKETS = "ours, block-sized buckets"
+# The same with the encoder at ZeRO-3 too (per block): the sharding FSDP2 applies to both models. ZeRO-2
+# keeps a whole copy of the encoder's parameters on every rank; this variant shows what that costs.
+BOTH_ZERO3 = "ours (Z3 + Z3), block-sized buckets"
 
 
 def _models(size):
@@ -86,15 +89,16 @@ def build_variant(variant, size, encoder, llm, dtype="fp32") -> Variant:
     encoder, llm = copy.deepcopy(encoder).to(dev), copy.deepcopy(llm).to(dev)
     mse = lambda out, y: ((out.float() - y)**2).mean()  # noqa: E731
     if variant.startswith("ours"):
-        enc = B.build_engine(deepspeed_multi.initialize, encoder, B.ds_config(2, dtype, micro_bs=MICRO_BS))
         cfg = B.ds_config(3, dtype, micro_bs=MICRO_BS)
-        if variant == BLOCK_BUCKETS:
+        if variant in (BLOCK_BUCKETS, BOTH_ZERO3):
             import torch.distributed as dist
             block = B.n_params(llm.blocks[0])
             # sub_group_size counts this rank's partition elements: one block's share is block / world
             cfg["zero_optimization"].update(reduce_bucket_size=block, stage3_prefetch_bucket_size=block,
                                             stage3_max_reuse_distance=block, stage3_max_live_parameters=2 * block,
                                             sub_group_size=-(-block // dist.get_world_size()))
+        enc_cfg = copy.deepcopy(cfg) if variant == BOTH_ZERO3 else B.ds_config(2, dtype, micro_bs=MICRO_BS)
+        enc = B.build_engine(deepspeed_multi.initialize, encoder, enc_cfg)
         big = B.build_engine(deepspeed_multi.initialize, llm, cfg)
 
         def loss(i):
