@@ -595,3 +595,46 @@ def cast_on_gather(dtype, path, persistence=0):
                 e.step()
             same(step, f"after loading (module only: {module_only})")
     assert os.path.isdir(path)
+
+
+def cast_on_gather_hf():
+    """The 16-bit partition cast at gather on a Transformers model built partitioned
+    (``zero_init``), with tied input and output embeddings (one parameter used by two modules), its
+    norms' weights persistent and the rest partitioned: the losses, the masters and the
+    consolidated 16-bit state dict (``save_16bit_model``'s) are DeepSpeed's bits."""
+    from hf_models import causal_lm, tokens
+
+    from deepspeed_multi import compat
+    from deepspeed_multi.zero import stage3_cast_on_gather as cog
+    cfg = ds_config(3, "bf16", gas=1, gradient_clipping=1.0)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100  # the norms' 16 elements persist
+
+    def build():
+        torch.manual_seed(0)  # the same random weights on every rank and for both engines
+        with deepspeed_multi.zero_init(cfg):
+            model = causal_lm(tie_word_embeddings=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return deepspeed_multi.initialize(model=model, optimizer=opt, config=cfg)[0]
+
+    engine, theirs = build(), _switched_off(build, "DSM_ZERO3_CAST_ON_GATHER")
+    assert compat.installed(engine.optimizer, cog.FEATURE) and not compat.installed(theirs.optimizer, cog.FEATURE)
+    assert engine.module.lm_head.weight is engine.module.model.embed_tokens.weight
+    persist = {n for n, p in engine.module.named_parameters() if p.ds_persist}
+    assert persist and len(persist) < len(list(engine.module.parameters())), persist
+    g = torch.Generator().manual_seed(5 + dist.get_rank())
+    for step in range(4):
+        ids = tokens(g, 2, 12)
+        losses = []
+        for e in (engine, theirs):
+            loss = e(input_ids=ids, labels=ids).loss
+            loss.backward()
+            e.step()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), f"step {step}: loss {losses[0]} vs {losses[1]}"
+    ours, deepspeeds = full_params(engine), full_params(theirs)
+    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "masters"
+    ours, deepspeeds = engine._zero3_consolidated_16bit_state_dict(), theirs._zero3_consolidated_16bit_state_dict()
+    if dist.get_rank() == 0:
+        assert ours.keys() == deepspeeds.keys() and all(torch.equal(ours[k], deepspeeds[k]) for k in ours), \
+            "the consolidated 16-bit state dict"
+        assert all(torch.isfinite(v).all() for v in ours.values())

@@ -76,3 +76,8 @@ def test_zero3_gradient_partitions_live_from_first_gradient_to_update(dtype):
 def test_zero3_16bit_partition_cast_from_master_at_gather(dtype, persistence, tmp_path):
     """deepspeed_multi/zero/stage3_cast_on_gather.py: [Note: one parameter partition in mixed precision]."""
     run_distributed(checks.cast_on_gather, dtype, str(tmp_path), persistence)
+
+
+def test_zero3_16bit_partition_cast_from_master_on_a_transformers_model():
+    """deepspeed_multi/zero/stage3_cast_on_gather.py on a model built partitioned, with tied embeddings."""
+    run_distributed(checks.cast_on_gather_hf)
