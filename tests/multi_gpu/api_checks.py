@@ -638,3 +638,36 @@ def cast_on_gather_hf():
         assert ours.keys() == deepspeeds.keys() and all(torch.equal(ours[k], deepspeeds[k]) for k in ours), \
             "the consolidated 16-bit state dict"
         assert all(torch.isfinite(v).all() for v in ours.values())
+
+
+def cast_on_gather_universal(path):
+    """The 16-bit partition cast at gather through DeepSpeed's universal-checkpoint load (what a
+    resume at another world size runs, deepspeed_multi/resize.py): the saved values, DeepSpeed's
+    bits (DSM_ZERO3_CAST_ON_GATHER=0) after the load and after two more updates."""
+    import os
+
+    from deepspeed_multi import compat, resize
+    from deepspeed_multi.zero import stage3_cast_on_gather as cog
+    build = functools.partial(_adamw_engine, ds_config(3, "bf16", zero_optimization={"sub_group_size": 100}))
+    saved_engine = build()
+    _train(saved_engine, 3)
+    saved = full_params(saved_engine)
+    saved_engine.save_checkpoint(os.path.join(path, "set"), tag="t")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        why = resize.convert(os.path.join(path, "set"), ["t"], os.path.join(path, "universal"))
+        assert why is None, why
+    dist.barrier()
+    engine, theirs = build(), _switched_off(build, "DSM_ZERO3_CAST_ON_GATHER")
+    assert compat.installed(engine.optimizer, cog.FEATURE) and not compat.installed(theirs.optimizer, cog.FEATURE)
+    for e in (engine, theirs):
+        resize.load_universal(e, os.path.join(path, "universal"), "t")
+    ours, deepspeeds = full_params(engine), full_params(theirs)
+    assert all(torch.equal(ours[n], saved[n]) for n in ours), "not the saved values"
+    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "after the load: masters"
+    ours, deepspeeds = _gathered(engine.module), _gathered(theirs.module)
+    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "after the load: 16-bit values"
+    for e in (engine, theirs):
+        _train(e, 2, start=3)
+    ours, deepspeeds = full_params(engine), full_params(theirs)
+    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "two updates after the load"

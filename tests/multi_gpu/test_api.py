@@ -81,3 +81,8 @@ def test_zero3_16bit_partition_cast_from_master_at_gather(dtype, persistence, tm
 def test_zero3_16bit_partition_cast_from_master_on_a_transformers_model():
     """deepspeed_multi/zero/stage3_cast_on_gather.py on a model built partitioned, with tied embeddings."""
     run_distributed(checks.cast_on_gather_hf)
+
+
+def test_zero3_16bit_partition_cast_from_master_through_a_universal_checkpoint(tmp_path):
+    """deepspeed_multi/zero/stage3_cast_on_gather.py: DeepSpeed's universal-checkpoint load runs on its layout."""
+    run_distributed(checks.cast_on_gather_universal, str(tmp_path))
