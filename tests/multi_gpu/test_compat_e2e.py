@@ -9,6 +9,8 @@ against plain PyTorch on the same global batch:
   for a DeepSpeed release that edited them): that fast path (and only it, with what is
   installed only together with it) is off, with one warning naming it, and the result is
   bit-identical to the first phase (the fast paths give DeepSpeed's bits);
+* the fast paths of 16-bit ZeRO-3 only (``BF16_ONLY``, the 16-bit partition cast at gather) the same
+  way on a bf16 ZeRO-3 engine of their own, bit-identical to that engine with them on;
 * a DeepSpeed version outside the supported window with ``DSM_ALLOW_UNSUPPORTED_DEEPSPEED=1``:
   every fast path off, one warning, same bits; without the switch, initialize refuses.
 """
