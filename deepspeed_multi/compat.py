@@ -434,6 +434,28 @@ def original(obj, name: str) -> Callable:
     return obj.__dict__["_dsm_patches"][name].original
 
 
+def run_before(obj, name: str, before: Callable, feature: str) -> None:
+    """Call ``before(obj)`` ahead of ``obj.<name>``: as ``feature``'s replacement of it, or, where
+    another feature replaced ``name`` already, ahead of the method that replacement falls back to
+    (both run, the other feature's first)."""
+    patches = obj.__dict__.get("_dsm_patches", {})
+    if name in patches:
+        inner = patches[name].original
+
+        def then_inner(*args, **kwargs):
+            before(obj)
+            return inner(*args, **kwargs)
+
+        patches[name].original = then_inner
+        return
+
+    def then_original(self, *args, **kwargs):
+        before(self)
+        return original(self, name)(*args, **kwargs)
+
+    replace_method(obj, name, then_original, feature)
+
+
 def set_original(obj, name: str, fn: Callable) -> None:
     """Point a replacement's fallback at ``fn`` (tests spy on the fallback this way)."""
     obj.__dict__["_dsm_patches"][name].original = fn

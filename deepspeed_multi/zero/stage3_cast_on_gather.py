@@ -62,8 +62,7 @@ class _CastOnGather:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         flat = optimizer.lp_param_buffer
-        self.dtype, self.device, self.numel = flat.dtype, flat.device, flat.numel()
-        self.sizes = [f.numel() for f in optimizer.fp16_partitioned_groups_flat]
+        self.dtype, self.device = flat.dtype, flat.device
         self.nan = torch.full((1, ), float("nan"), dtype=self.dtype, device=self.device)
         self.on = True
         self.layout_depth = 0  # > 0 while DeepSpeed's layout is rebuilt for one of its methods
@@ -90,23 +89,24 @@ class _CastOnGather:
         for group, p, offset, ph in self.params():
             if p.ds_tensor is ph and not torch.equal(ph, self.master_cast(group, offset, ph.ds_numel)):
                 p.ds_tensor = _partition_tensor(ph.detach().clone(), ph)
-        for ph in self.optimizer.fp16_partitioned_groups_flat:
             self.poison(ph)
-        for _, _, _, ph in self.params():
-            self.poison(ph)
+        for flat in self.optimizer.fp16_partitioned_groups_flat:
+            self.poison(flat)
         self.poison(self.optimizer.lp_param_buffer)
 
     def rebuild(self) -> None:
-        """DeepSpeed's 16-bit buffer again: the masters' casts, then the pinned values."""
+        """DeepSpeed's 16-bit buffer again: the masters' casts, then the pinned values (the released
+        buffers kept their shapes, so the sizes are read from them)."""
         opt = self.optimizer
-        buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        buffer = torch.empty(opt.lp_param_buffer.numel(), dtype=self.dtype, device=self.device)
         opt.lp_param_buffer.data = buffer
         start = 0
         for group, flat in enumerate(opt.fp16_partitioned_groups_flat):
-            flat.data = buffer.narrow(0, start, self.sizes[group])
+            numel = flat.numel()
+            flat.data = buffer.narrow(0, start, numel)
             flat.data.copy_(opt.fp32_partitioned_groups_flat[group].data)  # as DeepSpeed's update copies
             opt._unflatten_partitioned_parameters(group)  # each placeholder: a view of the buffer again
-            start += self.sizes[group]
+            start += numel
         for _, p, _, ph in self.params():
             if p.ds_tensor is not ph:
                 ph.data.copy_(p.ds_tensor)
@@ -246,11 +246,6 @@ def restore(optimizer) -> None:
         state.on = False
 
 
-def _offload_states(self, *args, **kwargs):
-    restore(self)
-    return compat.original(self, "offload_states")(*args, **kwargs)
-
-
 def applies(optimizer) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     if (not isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) or not switch_on(ZERO3_CAST_ON_GATHER)
@@ -265,7 +260,7 @@ def applies(optimizer) -> bool:
                    for f, m in zip(flat, masters))):
         return False
     params = [p for group in optimizer.fp16_groups for p in group]
-    placeholders = [ph for group in optimizer.fp16_partitioned_groups for ph in group]
+    placeholders = placeholders_of(optimizer)
     if any(p.ds_tensor is not ph or hasattr(ph, "ds_quant_scale") or p.ds_secondary_tensor is not None
            for p, ph in zip(params, placeholders)) or len(params) != len(placeholders):
         return False
@@ -293,19 +288,9 @@ def install(optimizer) -> bool:
         compat.replace_method(optimizer, name, _pinning_first(name), FEATURE)
     for name in _ON_DEEPSPEED_LAYOUT:
         compat.replace_method(optimizer, name, _on_deepspeed_layout(name), FEATURE)
-    if "offload_states" in optimizer.__dict__.get("_dsm_patches", {}):  # stage3_lazy_grads' restore runs first
-        compat.set_original(optimizer, "offload_states",
-                            functools.partial(_offload_states_then, optimizer,
-                                              compat.original(optimizer, "offload_states")))
-    else:
-        compat.replace_method(optimizer, "offload_states", _offload_states, FEATURE)
+    compat.run_before(optimizer, "offload_states", restore, FEATURE)  # (after stage3_lazy_grads' restore)
     state.release()
     return True
-
-
-def _offload_states_then(optimizer, offload_states, *args, **kwargs):
-    restore(optimizer)
-    return offload_states(*args, **kwargs)
 
 
 def placeholders_of(optimizer) -> List[torch.Tensor]:

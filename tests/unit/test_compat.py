@@ -182,6 +182,19 @@ def test_replace_original_restore():
     assert thing.hello() == "deepspeed" and not compat.installed(thing, "feature_a") and "hello" not in vars(thing)
 
 
+def test_run_before_on_its_own_and_behind_another_feature():
+    seen = []
+    alone = _Thing()
+    compat.run_before(alone, "hello", lambda obj: seen.append(("alone", obj)), "feature_b")
+    assert alone.hello() == "deepspeed" and seen == [("alone", alone)] and compat.installed(alone, "feature_b")
+    seen.clear()
+    behind = _Thing()
+    compat.replace_method(behind, "hello", lambda self: seen.append("a") or "ours+" + compat.original(self, "hello")(),
+                          "feature_a")
+    compat.run_before(behind, "hello", lambda obj: seen.append(("b", obj)), "feature_b")
+    assert behind.hello() == "ours+deepspeed" and seen == ["a", ("b", behind)]  # feature_a's first
+
+
 def test_swapped_restores_on_error():
     import types
     module = types.SimpleNamespace(initialize="deepspeed's")
