@@ -500,6 +500,15 @@ def _gathered(module):
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
+def _assert_deepspeeds_bits(engine, theirs, what, values=True):
+    """``engine``'s fp32 masters (and, with ``values``, its gathered 16-bit values) bit-equal to ``theirs``."""
+    ours, deepspeeds = full_params(engine), full_params(theirs)
+    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), f"{what}: masters"
+    if values:
+        ours, deepspeeds = _gathered(engine.module), _gathered(theirs.module)
+        assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), f"{what}: 16-bit values"
+
+
 def cast_on_gather(dtype, path, persistence=0):
     """bf16/fp16 ZeRO-3 (deepspeed_multi/zero/stage3_cast_on_gather.py): no 16-bit partition is
     held between gathers; the forward's values, the losses and the updates are DeepSpeed's bits
@@ -536,10 +545,7 @@ def cast_on_gather(dtype, path, persistence=0):
     assert sum(held(theirs).values()) == theirs.optimizer.lp_param_buffer.numel() * one, where
 
     def same(step, what):
-        ours, deepspeeds = full_params(engine), full_params(theirs)  # the fp32 masters
-        assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), f"{where}: step {step}: {what}: masters"
-        ours, deepspeeds = _gathered(engine.module), _gathered(theirs.module)
-        assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), f"{where}: step {step}: {what}: 16-bit values"
+        _assert_deepspeeds_bits(engine, theirs, f"{where}: step {step}: {what}")
 
     write = torch.linspace(-1, 1, engine.module.fc2.weight.ds_numel).view(engine.module.fc2.weight.ds_shape)
     for step in range(8):
@@ -631,8 +637,7 @@ def cast_on_gather_hf():
             e.step()
             losses.append(loss.detach())
         assert torch.equal(losses[0], losses[1]), f"step {step}: loss {losses[0]} vs {losses[1]}"
-    ours, deepspeeds = full_params(engine), full_params(theirs)
-    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "masters"
+    _assert_deepspeeds_bits(engine, theirs, "after four updates", values=False)
     ours, deepspeeds = engine._zero3_consolidated_16bit_state_dict(), theirs._zero3_consolidated_16bit_state_dict()
     if dist.get_rank() == 0:
         assert ours.keys() == deepspeeds.keys() and all(torch.equal(ours[k], deepspeeds[k]) for k in ours), \
@@ -662,12 +667,9 @@ def cast_on_gather_universal(path):
     assert compat.installed(engine.optimizer, cog.FEATURE) and not compat.installed(theirs.optimizer, cog.FEATURE)
     for e in (engine, theirs):
         resize.load_universal(e, os.path.join(path, "universal"), "t")
-    ours, deepspeeds = full_params(engine), full_params(theirs)
+    ours = full_params(engine)
     assert all(torch.equal(ours[n], saved[n]) for n in ours), "not the saved values"
-    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "after the load: masters"
-    ours, deepspeeds = _gathered(engine.module), _gathered(theirs.module)
-    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "after the load: 16-bit values"
+    _assert_deepspeeds_bits(engine, theirs, "after the load")
     for e in (engine, theirs):
         _train(e, 2, start=3)
-    ours, deepspeeds = full_params(engine), full_params(theirs)
-    assert all(torch.equal(ours[n], deepspeeds[n]) for n in ours), "two updates after the load"
+    _assert_deepspeeds_bits(engine, theirs, "two updates after the load", values=False)
