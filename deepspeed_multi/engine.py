@@ -24,7 +24,7 @@ from .reliability.rank_agreement import RankAgreement
 from .reliability.skip_group import SkipGroup
 from .state import TrainingState
 from .switches import CHECK_RANK_AGREEMENT, switch_on
-from .zero import buffers, stage3_counters, stage12_bucket_pack
+from .zero import buffers, stage3_counters, stage3_prefetch, stage12_bucket_pack
 
 logger = logging.getLogger(__name__)
 
@@ -358,22 +358,7 @@ class MultiEngine(DeepSpeedEngine):
         self._drain_zero3_prefetch()
 
     def _drain_zero3_prefetch(self):
-        """Wait for and release ZeRO-3 prefetches that no forward will consume.
-
-        ZeRO-3 prefetches the parameters of the submodule its trace expects next and drains what
-        is left only at the start of the next forward of the root module. A submodule called
-        outside engine(...) (the LLaVA embedding) is in that trace, so the last forward of a
-        loop leaves its prefetch in flight, and the next partition (the update, GatheredParameters,
-        a checkpoint) fails with "Cannot partition a param in flight"; upstream does the same.
-        Drained where no compute of this engine runs and none is prefetched for: step(),
-        zero_grad(), the end of a forward no backward can follow (no output requires grad), the
-        end of every forward of a frozen engine (it has no step(); e.g. its output used
-        detached, then GatheredParameters), and the end of a backward
-        through a frozen engine. A backward that follows re-gathers what it needs.
-        """
-        if self.zero_optimization_stage() == 3:
-            offload = getattr(self.optimizer, "parameter_offload", self.optimizer)
-            offload.get_param_coordinator()._clean_inflight_param_registry()
+        stage3_prefetch.drain(self)  # [Note: draining ZeRO-3's prefetch]
 
     def _skip_update(self):
         """Drop this window's gradients without updating, as DeepSpeed does on an fp16 overflow."""
