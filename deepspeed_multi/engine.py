@@ -13,7 +13,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from . import compat, zero
+from . import compat, hand_back, zero
 from .autograd import grad_scale, graph, outside_use
 from .autograd.boundary import wrap_inputs, wrap_outputs
 from .autograd.region import Region
@@ -90,10 +90,12 @@ class MultiEngine(DeepSpeedEngine):
             self.skip_group.add(self)
         self.watchdog = watchdog.attach(self)  # marks this engine's collective regions (watchdog.py)
         misuse.install_outer_engine_guard(self)  # deepspeed.initialize(model=<this engine>)
+        misuse.claim_parameters(self)  # a second trainable engine over them waits for destroy()
         dp_groups.register_dp_group(self)  # checked where a backward pass first reaches an engine
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
+        hand_back.refuse_if_destroyed(self, "forward()")
         self._recover_from_failed_backward()
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
         stage3 = self.zero_optimization_stage() == 3
@@ -238,6 +240,7 @@ class MultiEngine(DeepSpeedEngine):
         return loss
 
     def _check_can_step(self, what):
+        hand_back.refuse_if_destroyed(self, what)
         misuse.refuse_inside_backward(self, what)
         if self._state is TrainingState.IN_BACKWARD:
             raise RuntimeError(f"MultiEngine ({self._engine_name()}): {what} called after a backward pass through "
@@ -371,8 +374,18 @@ class MultiEngine(DeepSpeedEngine):
         self.micro_steps += 1
         self._step_applied = False
 
+    def destroy(self):
+        """DeepSpeed's destroy() after the module is handed back (hand_back.py); later uses are refused."""
+        if self._state is not TrainingState.DESTROYED:
+            misuse.refuse_inside_backward(self, "destroy()")
+            self._recover_from_failed_backward()  # (a backward that raised: its partial gradients go)
+            hand_back.hand_back(self)
+            super().destroy()
+            self._state = TrainingState.DESTROYED
+
     def zero_grad(self):
         """Discard every gradient accumulated since the last step, like ``nn.Module.zero_grad``."""
+        hand_back.refuse_if_destroyed(self, "zero_grad()")
         misuse.refuse_inside_backward(self, "zero_grad()")
         self._recover_from_failed_backward()
         self._drain_zero3_prefetch()

@@ -11,7 +11,7 @@ from . import compat
 from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
-from .reliability.misuse import refuse_engine_as_model
+from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")
+    trains = optimizer is not None or "optimizer" in config
+    refuse_parameters_of_live_engine(model, trains, "deepspeed_multi.initialize")
 
     kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,

@@ -10,3 +10,5 @@ class TrainingState(Enum):
     IN_BACKWARD = auto()
     # At least one backward finished; reduced gradients wait for step() or zero_grad().
     GRADS_READY = auto()
+    # engine.destroy() ran (hand_back.py): the module is handed back, every use is refused. Final.
+    DESTROYED = auto()

@@ -80,6 +80,16 @@ def install(engine) -> None:
         engine._outside_use_hooks = [_prehook(p, engine, names) for p in engine._trainable_params]
 
 
+def uninstall(engine) -> None:
+    """Take the checks' hooks off the parameters (``engine.destroy()``); the optimizer's goes with it."""
+    for _, handle in engine._outside_use_hooks or ():
+        handle.remove()
+    engine._outside_use_hooks = None
+    if engine._mixed_use is not None:
+        engine._mixed_use.remove()
+        engine._mixed_use = None
+
+
 def check(engine, param, names) -> None:
     """A gradient is about to reach ``param``: the engine's region must be in backward."""
     if engine._state is TrainingState.IN_BACKWARD:

@@ -50,10 +50,10 @@ def initialize_parts(initialize, model, config, declared, optimizer=None, model_
         engine._part_name = f"{type(model).__name__}.{name}" if name != REST else f"{type(model).__name__} (rest)"
         clip.check_supported(name, engine)
         engines[name] = engine
-    _reset_rest_trace_at_model_forward(model, engines.get(REST))
-    _drain_zero3_parts_after_model_forward(model, engines)
+    hooks = _reset_rest_trace_at_model_forward(model, engines.get(REST))
+    hooks += _drain_zero3_parts_after_model_forward(model, engines)
     scheduler = lr_scheduler
-    parted = PartedEngine(model, engines, optimizer, sources, config=given)
+    parted = PartedEngine(model, engines, optimizer, sources, config=given, model_hooks=hooks)
     # Nothing to optimize (every part frozen, no optimizer given): no optimizer, as DeepSpeed returns.
     facade = PartsOptimizer(parted, optimizer) if optimizer is not None or parted._training_parts else None
     if scheduler is not None and not hasattr(scheduler, "step"):
@@ -70,13 +70,13 @@ def _reset_rest_trace_at_model_forward(model, rest):
     """ZeRO-3 resets its prefetch trace when its root module's forward starts; the rest's root (a
     container) is never called, so the model's forward starts it instead."""
     if rest is None or rest.zero_optimization_stage() != 3:
-        return
+        return []
     coordinator = getattr(rest.optimizer, "parameter_offload", rest.optimizer).get_param_coordinator()
 
     def _start_of_model_forward(module, args):
         coordinator.reset_step()
 
-    model.register_forward_pre_hook(_start_of_model_forward)
+    return [model.register_forward_pre_hook(_start_of_model_forward)]
 
 
 def _drain_zero3_parts_after_model_forward(model, engines):
@@ -85,7 +85,7 @@ def _drain_zero3_parts_after_model_forward(model, engines):
     model's, so the end of the model's forward does it for them."""
     zero3 = [e for e in engines.values() if e.zero_optimization_stage() == 3]
     if not zero3:
-        return
+        return []
 
     def _end_of_model_forward(module, args, outputs):
         needs_grad = any(t.requires_grad for t in tree_tensors(outputs))
@@ -93,4 +93,4 @@ def _drain_zero3_parts_after_model_forward(model, engines):
             if not engine.trains or not needs_grad:
                 engine._drain_zero3_prefetch()
 
-    model.register_forward_hook(_end_of_model_forward)
+    return [model.register_forward_hook(_end_of_model_forward)]

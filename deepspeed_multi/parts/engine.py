@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .. import checkpoint
+from .. import checkpoint, hand_back
 from . import clip
 from .optimizer import sync_hyperparameters
 from .plan import REST
@@ -31,8 +31,10 @@ class PartedEngine(nn.Module):
     ``engine.parts`` maps each declared submodule name (and ``"_rest"``) to its MultiEngine.
     """
 
-    def __init__(self, model, parts, client_optimizer=None, sources=None, client_scheduler=None, config=None):
+    def __init__(self, model, parts, client_optimizer=None, sources=None, client_scheduler=None, config=None,
+                 model_hooks=()):
         super().__init__()
+        self._model_hooks = list(model_hooks)  # build.py's forward hooks on the model, removed by destroy()
         self.module = model
         self.config = config or {}  # the model's DeepSpeed config (as DeepSpeedEngine.config), submodules included
         self._parts = dict(parts)  # not submodules: the model already holds every parameter once
@@ -59,6 +61,7 @@ class PartedEngine(nn.Module):
 
     # ---------------------------------------------------------------- forward / backward
     def forward(self, *args, **kwargs):
+        self._refuse_if_destroyed("forward()")
         return self.module(*args, **kwargs)
 
     def backward(self, loss, retain_graph=False):
@@ -74,6 +77,7 @@ class PartedEngine(nn.Module):
         return self.is_update_boundary()
 
     def step(self, lr_kwargs=None):
+        self._refuse_if_destroyed("step()")
         if not self._training_parts:
             raise RuntimeError("deepspeed_multi: this model's parts are all inference-only (no optimizer, or no "
                                "parameter requires grad), so step() has nothing to update.")
@@ -102,6 +106,18 @@ class PartedEngine(nn.Module):
     def zero_grad(self, set_to_none=True):
         for engine in self._parts.values():
             engine.zero_grad()
+
+    def destroy(self):
+        """Every part's destroy() and the model's hooks off ([Note: destroy() hands the module back])."""
+        for handle in self._model_hooks:
+            handle.remove()
+        self._model_hooks.clear()
+        for engine in self._parts.values():
+            engine.destroy()
+
+    def _refuse_if_destroyed(self, what):
+        for engine in self._parts.values():
+            hand_back.refuse_if_destroyed(engine, what)
 
     @contextlib.contextmanager
     def no_sync(self):

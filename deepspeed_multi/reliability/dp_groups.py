@@ -46,6 +46,14 @@ def register_dp_group(engine) -> None:
     _update_mixed(list(_DpGroups.engines.values()))
 
 
+def unregister_dp_group(engine) -> None:
+    """``engine.destroy()``: its group no longer counts among this process's trainable engines."""
+    for key, registered in list(_DpGroups.engines.items()):
+        if registered is engine:
+            del _DpGroups.engines[key]
+    _update_mixed(list(_DpGroups.engines.values()))
+
+
 def check_dp_groups(engine) -> None:
     """One backward pass must not reach trainable engines on different data-parallel groups.
 

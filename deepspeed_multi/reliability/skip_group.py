@@ -53,6 +53,13 @@ class SkipGroup:
         engine._skip_decisions = {}  # round -> decision, written by the member that decided first
         self._members.append(weakref.ref(engine))
 
+    def remove(self, engine) -> None:
+        """``engine`` leaves the group (``engine.destroy()``): its watches come off the parameters."""
+        self._members = [ref for ref in self._members if ref() is not None and ref() is not engine]
+        for _, handle in engine._skip_watch or ():
+            handle.remove()
+        engine._skip_watch = None
+
     def should_skip(self, engine) -> bool:
         """The group's decision for ``engine``'s current round (collective on the first ask)."""
         round_ = engine._updates_done

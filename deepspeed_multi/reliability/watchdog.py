@@ -193,11 +193,22 @@ def attach(engine):
     if agree is None:
         agree = torch.distributed.get_backend() == "gloo"
     watch = _Monitor.get().add(engine, timeout, agree)
-    _install_forward_hooks(engine, watch)
+    watch.hooks = _install_forward_hooks(engine, watch)
     return watch
 
 
-def _install_forward_hooks(engine, watch):
+def detach(engine) -> None:
+    """``engine.destroy()``: its watch leaves the monitor and the module; the engine's is off from now."""
+    watch = engine.watchdog
+    for handle in getattr(watch, "hooks", ()):
+        handle.remove()
+    if watch.enabled:
+        watch.marks.clear()
+        watch.monitor.remove(watch)
+    engine.watchdog = _Off()
+
+
+def _install_forward_hooks(engine, watch) -> list:
     """ZeRO-3 gathers parameters in forward: mark it. Every stage: a forward that starts outside
     a backward ends any "backward" mark a failed backward left behind (its final callbacks never run)."""
     zero3 = watch.stage == 3
@@ -209,9 +220,11 @@ def _install_forward_hooks(engine, watch):
             watch.enter("forward")
             watch.meet("forward")
 
-    engine.module.register_forward_pre_hook(pre, prepend=True)
+    hooks = [engine.module.register_forward_pre_hook(pre, prepend=True)]
     if zero3:
-        engine.module.register_forward_hook(lambda module, args, out: watch.leave("forward"), always_call=True)
+        hooks.append(engine.module.register_forward_hook(lambda module, args, out: watch.leave("forward"),
+                                                         always_call=True))
+    return hooks
 
 
 def _backward_running() -> bool:
@@ -249,6 +262,7 @@ class _Monitor(threading.Thread):
     def __init__(self):
         super().__init__(name="deepspeed_multi-watchdog", daemon=True)
         self.watches = []
+        self.added = 0
         self.rank = torch.distributed.get_rank()
         self.world = torch.distributed.get_world_size()
         self.poll_s = 1.0
@@ -257,10 +271,14 @@ class _Monitor(threading.Thread):
         self._stopping = threading.Event()
 
     def add(self, engine, timeout_s, agree=False):
-        watch = EngineWatch(engine, timeout_s, len(self.watches), self, agree)
+        watch = EngineWatch(engine, timeout_s, self.added, self, agree)
+        self.added += 1  # (not len(watches): an index stays the same engine's after another leaves)
         self.watches.append(watch)
         self.poll_s = min(self.poll_s, max(0.1, timeout_s / 5))
         return watch
+
+    def remove(self, watch):
+        self.watches = [w for w in self.watches if w is not watch]  # (a new list: _check may be walking one)
 
     # ------------------------------------------------------------ the loop
     def run(self):

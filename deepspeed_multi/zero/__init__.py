@@ -68,6 +68,12 @@ def install(optimizer, fused_reduce: bool) -> dict:
     return done
 
 
+def hand_back(optimizer) -> None:
+    """``engine.destroy()``: undo what the fast paths changed outside ``optimizer`` (on the module's
+    parameters), so that a new engine over the module starts from DeepSpeed's state."""
+    stage3_cast_on_gather.hand_back(optimizer)
+
+
 def install_fused(optimizer) -> dict:
     """The fused bucket passes (``deepspeed_multi.ops``) that apply to ``optimizer``, unless
     ``DSM_FUSED_ZERO=0``; return ``{feature: installed}``."""

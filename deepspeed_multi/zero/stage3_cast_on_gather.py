@@ -30,7 +30,8 @@ write), until the next update of its sub-group overwrites it from the master, as
 update does. Every other DeepSpeed method that reads or writes the 16-bit buffer (the
 checkpoint loads, ``refresh_fp32_params``) runs on DeepSpeed's layout: the buffer is rebuilt
 from the masters and the pinned copies before it, and released after it, pinning any parameter
-whose 16-bit value then differs from its master's cast. ``offload_states`` rebuilds it for good.
+whose 16-bit value then differs from its master's cast. ``offload_states`` and ``destroy()``
+rebuild it for good (a new engine over the module builds its partitions from it).
 
 Applies to ZeRO-3 with 16-bit parameters on the optimizer's device: not with parameter or
 optimizer offload, NVMe, hpZ (secondary partitions), quantized weights, ZenFlow or Muon.
@@ -244,6 +245,17 @@ def restore(optimizer) -> None:
         if state.layout_depth == 0:
             state.rebuild()
         state.on = False
+
+
+def hand_back(optimizer) -> None:
+    """``engine.destroy()``: DeepSpeed's 16-bit partitions for good, the values a new engine over the
+    module builds from; the parameters let go of this optimizer."""
+    restore(optimizer)
+    if compat.installed(optimizer, FEATURE):
+        state = compat.state(optimizer, FEATURE)["cast"]
+        for _, p, _, _ in state.params():
+            if getattr(p, _SOURCE, (None, ))[0] is state:
+                delattr(p, _SOURCE)
 
 
 def applies(optimizer) -> bool:

@@ -673,3 +673,89 @@ def cast_on_gather_universal(path):
     for e in (engine, theirs):
         _train(e, 2, start=3)
     _assert_deepspeeds_bits(engine, theirs, "two updates after the load", values=False)
+
+
+def destroy_then_rebuild(stage):
+    """``engine.destroy()`` hands the module back ([Note: destroy() hands the module back]), fp32 and
+    bf16: nothing of ours is left on it, the destroyed engine refuses use, and a new engine over the
+    module trains bit-equal to a new engine over a fresh module holding the same values (fp32: and
+    equal to plain PyTorch across both engines, 1e-5). A trainable engine over the parameters of a
+    ZeRO-2/3 engine not destroyed is refused at initialize; over a ZeRO-1 engine's it is not (exact)."""
+    for dtype in ("fp32", "bf16"):
+        what = f"ZeRO-{stage} {dtype}"
+        model, ref = MLP(seed=1), MLP(seed=1)
+        adamw = functools.partial(torch.optim.AdamW, lr=0.05)
+        cfg = ds_config(stage, dtype=dtype)
+        if dtype == "bf16":
+            cfg["deepspeed_multi"] = {"skip_group": f"destroyed-{stage}"}
+        first = deepspeed_multi.initialize(model=model, optimizer=adamw(model.parameters()), config=cfg)[0]
+        _train(first, 3)
+        first.destroy()
+        first.destroy()  # (a second call does nothing)
+        assert first.skip_group is None or first not in first.skip_group.members(), what
+        _assert_nothing_of_ours(model, what)
+        for use in (lambda: first(_batch(0)[0]), first.step, first.zero_grad):
+            try:
+                use()
+            except RuntimeError as e:
+                assert "after engine.destroy()" in str(e), e
+            else:
+                raise AssertionError(f"{what}: a destroyed engine was used")
+        fresh = MLP(seed=2)
+        fresh.load_state_dict({n: v.float() for n, v in _gathered(model).items()})
+        again, other = (deepspeed_multi.initialize(model=m, optimizer=adamw(m.parameters()), config=cfg)[0]
+                        for m in (model, fresh))
+        for step in range(3, 6):
+            losses = []
+            for e in (again, other):
+                x, y = _batch(step)
+                loss = ((e(x) - y)**2).mean()
+                loss.backward()
+                e.step()
+                losses.append(loss.detach())
+            assert torch.equal(*losses), f"{what}: step {step} loss {losses[0]} vs fresh module's {losses[1]}"
+        _assert_deepspeeds_bits(again, other, f"{what}: the new engine over the handed-back module")
+        if dtype == "fp32":
+            opt = adamw(ref.parameters())
+            for step in range(6):
+                if step == 3:
+                    opt = adamw(ref.parameters())
+                _reference_micro_step(ref, opt, step)
+            _assert_close(full_params(again), {n: p.detach() for n, p in ref.named_parameters()}, what)
+        for e in (again, other):
+            e.destroy()
+    for old_stage in (1, 2, 3):
+        model = MLP(seed=1)
+        old = deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=ds_config(old_stage))[0]
+        build = functools.partial(deepspeed_multi.initialize, model=model, config=ds_config(stage),
+                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        if old_stage == 1:
+            ref, opt = MLP(seed=1), None
+            new = build()[0]
+            for step in range(2):
+                _train(new, 1, start=step)
+                opt = opt or torch.optim.SGD(ref.parameters(), lr=0.1)
+                _reference_micro_step(ref, opt, step)
+            _assert_close(full_params(new), {n: p.detach() for n, p in ref.named_parameters()},
+                          f"ZeRO-{stage} over a live ZeRO-1 engine's module")
+            new.destroy()
+        else:
+            try:
+                build()
+            except RuntimeError as e:
+                assert f"ZeRO stage {old_stage}) that was not destroyed" in str(e), e
+            else:
+                raise AssertionError(f"ZeRO-{stage} over a live ZeRO-{old_stage} engine's parameters was accepted")
+        old.destroy()
+
+
+def _assert_nothing_of_ours(module, what):
+    """No hook or attribute of deepspeed_multi's on ``module``, its submodules or its parameters."""
+    for name, m in module.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            ours = [h for h in getattr(m, kind).values() if getattr(h, "__module__", "").startswith("deepspeed_multi")]
+            assert not ours, f"{what}: {name or 'the module'} keeps {kind} {ours}"
+    for name, p in module.named_parameters():
+        left = [a for a in vars(p) if a.startswith("_dsm")] + list((p._post_accumulate_grad_hooks or {}).values())
+        assert not left, f"{what}: parameter {name} keeps {left}"

@@ -30,6 +30,12 @@ def _features(stage):
     checks.recovers_after_failed_backward(stage)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_destroy_hands_the_module_back(stage):
+    """deepspeed_multi/hand_back.py: [Note: destroy() hands the module back]."""
+    run_distributed(checks.destroy_then_rebuild, stage)
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.parametrize("shared", [0, 1], ids=["one-rank-only", "both-accumulated"])
 def test_ranks_disagree_refused(stage, shared):

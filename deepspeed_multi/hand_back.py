@@ -1,0 +1,48 @@
+"""``engine.destroy()``: the module handed back as DeepSpeed's own destroy() leaves it.
+
+[Note: destroy() hands the module back]
+``DeepSpeedEngine.destroy()`` takes ZeRO's hooks off the module and its parameters so that a new
+engine can be built over the same module. Accelerate's ``free_memory()`` calls it, and with it
+every ``Trainer.train()`` before it builds its engine, so a second ``train()`` (or a
+batch-size search, a ``model_init`` sweep) trains the module through a second engine. A
+MultiEngine puts more on the module than DeepSpeed does: the region's forward hooks on every
+submodule (autograd/region.py), the direct-use and skip-group checks on the parameters'
+gradient accumulators, the watchdog's forward hooks and, at bf16/fp16 ZeRO-3, the parameters'
+16-bit partitions released (zero/stage3_cast_on_gather.py). Left there they would act for the
+destroyed engine inside the new one's forward and backward (its epilogue on freed buckets: an
+IndexError at ZeRO-2), and the new engine would build its partitions from the released
+placeholders (NaN, silently, at bf16 ZeRO-3).
+
+So ``destroy()`` drains ZeRO-3's prefetch, takes all of ours off, rebuilds DeepSpeed's 16-bit
+partitions from the masters (the values DeepSpeed's layout holds: the new engine gets
+DeepSpeed's bits), and leaves the engine's process-wide registrations (watchdog, skip group,
+data-parallel groups); then DeepSpeed's destroy() runs. What is left on the module is what
+DeepSpeed leaves (its own forward hooks, which call the old engine's bookkeeping only). The
+engine refuses any use after, with an error that says to build a new one.
+"""
+from . import zero
+from .autograd import outside_use
+from .reliability import dp_groups, misuse, watchdog
+
+
+def hand_back(engine) -> None:
+    """Everything MultiEngine added to ``engine.module`` and this process, taken off (see the Note)."""
+    engine._drain_zero3_prefetch()
+    engine._region.remove()
+    outside_use.uninstall(engine)
+    if engine.skip_group is not None:
+        engine.skip_group.remove(engine)
+    watchdog.detach(engine)
+    dp_groups.unregister_dp_group(engine)
+    misuse.release_parameters(engine)
+    if engine.optimizer is not None:
+        zero.hand_back(engine.optimizer)
+
+
+def refuse_if_destroyed(engine, what: str) -> None:
+    from .state import TrainingState
+    if engine._state is TrainingState.DESTROYED:
+        raise RuntimeError(
+            f"MultiEngine ({engine._engine_name()}): {what} called after engine.destroy() (Accelerate's free_memory() "
+            "calls it, as does the start of Trainer.train()): its hooks and buffers are gone. Build a new engine over "
+            "engine.module with deepspeed_multi.initialize, as the Trainer does.")
