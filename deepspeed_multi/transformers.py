@@ -119,13 +119,10 @@ class TrainerAccelerator(Accelerator):
         return torch.as_tensor(float(norm))
 
 
-    def free_memory(self, *objects):
-        """Accelerate's ``free_memory`` (the Trainer calls it as ``train()`` starts); the models of
-        TRL roles, prepared in the trainer's ``__init__``, stay held for the whole run."""
-        roles = [m for m in self._models if getattr(m, "_dsm_role", None)]
-        out = super().free_memory(*objects)
-        self._models.extend(roles)
-        return out
+    def _kept_engines(self) -> list:
+        """``free_memory`` (the Trainer calls it as ``train()`` starts) keeps the models of TRL roles,
+        prepared in the trainer's ``__init__``, for the whole run."""
+        return [m for m in self._models if getattr(m, "_dsm_role", None)]
 
 
 def caller_owns_accumulation(engine: MultiEngine) -> None:
@@ -247,6 +244,27 @@ def _per_model_zero3(name):
     return method
 
 
+def _train(self, *args, **kwargs):
+    """``cls.train``: after ``evaluate()``/``predict()`` as under DDP; refused a second time on the same
+    trainer (see the message)."""
+    previous = self.model_wrapped
+    if isinstance(previous, (MultiEngine, PartedEngine)) and not previous.has_optimizer:
+        # evaluate()/predict() before train() (ZeRO-3) built an inference engine; the Trainer would train
+        # through it (upstream: AttributeError at the first backward). train()'s free_memory destroys it.
+        self.model_wrapped, self.deepspeed = self.model, None
+    elif isinstance(previous, (MultiEngine, PartedEngine)):
+        raise RuntimeError(
+            f"{type(self).__name__}.train() was already called on this trainer, and built its DeepSpeed engine. "
+            "A second train() on the same Trainer is not supported under DeepSpeed: transformers' deepspeed_init "
+            "builds a new optimizer for it, where a DDP Trainer's second train() keeps the first one's optimizer "
+            "state (upstream DeepSpeed fails here too). To train longer, raise num_train_epochs or max_steps and "
+            "resume from a checkpoint (train(resume_from_checkpoint=...) in a new Trainer continues the optimizer "
+            "state); to start a new run from these weights, call trainer.model_wrapped.destroy() and build a new "
+            "Trainer over trainer.model.")
+    with trl_stages.per_model_zero3():
+        return self._dsm_base.train(self, *args, **kwargs)
+
+
 def check_versions(cls) -> None:
     """The Trainer code paths this module relies on are those of the tested releases (TESTED)."""
     import importlib.metadata as md
@@ -278,7 +296,8 @@ def multi_engine_trainer(cls):
         "_dsm_base": cls,
         "__init__": _init,
         "create_accelerator_and_postprocess": _create_accelerator_and_postprocess,
-        **{name: _per_model_zero3(name) for name in ("train", "evaluate", "predict")},
+        "train": _train,
+        **{name: _per_model_zero3(name) for name in ("evaluate", "predict")},
     })
 
 

@@ -15,6 +15,8 @@ Differences from ``accelerate.Accelerator`` under DeepSpeed (everything else is 
   to, not on the first one prepared.
 * ``save_state``/``load_state`` leave out models prepared without an optimizer: they never
   change (rebuild them as they were built), and DeepSpeed cannot checkpoint such a ZeRO-3 engine.
+* ``free_memory`` destroys every engine it drops (Accelerate destroys its one), so the models
+  can be prepared again.
 
 Mixed precision: each engine's dtype comes from its own config. ``Accelerator(mixed_precision=X)``
 (or ``accelerate launch --mixed_precision X``) is applied by Accelerate to every plugin: a config
@@ -250,5 +252,20 @@ class Accelerator(accelerate.Accelerator):
     def engines(self):
         """The engines prepared so far, in order (MultiEngines, and PartedEngines of models in parts)."""
         return [m for m in self._models if isinstance(m, ENGINES)]
+
+    def free_memory(self, *objects):
+        """Accelerate's ``free_memory``, which destroys the DeepSpeed engine it holds so that a model
+        can be prepared again: here every engine prepared so far, except those ``_kept_engines``
+        names, which stay prepared ([Note: destroy() hands the module back])."""
+        kept = self._kept_engines()
+        for engine in self.engines():
+            if not any(engine is k for k in kept):
+                engine.destroy()
+        out = super().free_memory(*objects)
+        self._models.extend(kept)
+        return out
+
+    def _kept_engines(self) -> list:
+        return []
 
 

@@ -282,6 +282,39 @@ def fp16_skip_does_not_advance_schedule():
     return {"fp16_skip": "schedule held on the skipped update"}
 
 
+def free_memory_then_prepare_again():
+    """free_memory() destroys the engines it drops (Accelerate destroys its one): the same modules
+    prepared again (new optimizers and schedulers) train bit-equal to fresh modules holding the
+    same values (a ZeRO-2 -> ZeRO-3 chain); the destroyed engines refuse use."""
+    acc = _accelerator(a=cfg(2), b=cfg(3))
+    a, b, opts, scheds = _prepare_chain(acc)
+    _train_chain(acc, a, b, opts, scheds, 2, 0)
+    modules = [a.module, b.module]
+    acc.free_memory()
+    assert acc.engines() == []
+    _expect(RuntimeError, "after engine.destroy()", a.step)
+    values = [{k: v.clone() for k, v in full_params(m).items()} for m in modules]
+    fresh = [MLP(seed=5), MLP(seed=6)]
+    for model, state in zip(fresh, values):
+        model.load_state_dict(state)
+    chains = []
+    for models in (modules, fresh):
+        prepared = []
+        for name, model in zip("ab", models):
+            acc.state.select_deepspeed_plugin(name)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            prepared.append(acc.prepare(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)))
+        chains.append(prepared)
+    for chain in chains:
+        (a, oa, sa), (b, ob, sb) = chain
+        _train_chain(acc, a, b, [oa, ob], [sa, sb], 2, 2)
+    for (again, _, _), (fresh, _, _) in zip(*chains):
+        got, want = full_params(again), full_params(fresh)
+        assert all(torch.equal(got[k], want[k]) for k in want), "prepared again differs from fresh modules"
+    acc.free_memory()
+    return {"free_memory_then_prepare_again": "bit-equal"}
+
+
 def features(tmp):
     report = {}
     report.update(save_load_state(os.path.join(tmp, "state")))
@@ -292,5 +325,6 @@ def features(tmp):
     report.update(fp16_skip_does_not_advance_schedule())
     report.update(zero_init_transformers())
     report.update(hf_engine_features())
+    report.update(free_memory_then_prepare_again())
     reset_accelerate()
     return report

@@ -17,6 +17,12 @@ def test_trainer_matches_ddp_trainer():
                     timeout_s=400)
 
 
+def test_trainer_again_over_the_trained_model():
+    """A new Trainer over a model trained by one (its engine destroyed first) matches DDP (ZeRO-2, ZeRO-3);
+    evaluate() then train() at ZeRO-3 too."""
+    run_distributed(checks.again_vs_ddp, (2, 3), timeout_s=300)
+
+
 def test_trainer_save_resume_and_from_pretrained():
     """save_steps + resume_from_checkpoint resume exactly; save_model -> from_pretrained round trip (ZeRO-2, ZeRO-3)."""
     run_distributed(_both, timeout_s=400)
