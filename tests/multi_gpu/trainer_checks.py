@@ -293,7 +293,9 @@ def preference_data(n=32, seed=3):
     return Dataset.from_list(rows)
 
 
-def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False):
+def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False, lora=False):
+    """``lora``: a LoRA policy (``peft_config``) and no reference model: TRL's reference is the policy
+    with its adapters disabled."""
     from trl import DPOConfig
     _fresh_process_state()
     policy, reference = causal_lm(), causal_lm()
@@ -301,6 +303,10 @@ def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False):
     args = _trl_args(DPOConfig, gas, deepspeed, beta=0.5,
                      **(dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5) if sync else {}))
     kw = {} if roles is None else {"deepspeed_roles": roles}
+    if lora:
+        from peft import LoraConfig
+        reference, kw["peft_config"] = None, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        lora_dropout=0.0)
     trainer = trainer_cls(model=policy, ref_model=reference, args=args, train_dataset=preference_data(),
                           processing_class=word_tokenizer(), **kw)
     return _train(trainer)
@@ -308,7 +314,8 @@ def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False):
 
 def dpo_vs_ddp(cases=((1, False), (2, False), (1, True))):
     """DPO with the reference at ZeRO-3 beside a ZeRO-2 policy (deepspeed_roles) against DDP DPO;
-    ``cases``: (gas, sync_ref_model: the policy mixed into the reference every 2 steps)."""
+    ``cases``: (gas, sync_ref_model: the policy mixed into the reference every 2 steps). Then a LoRA
+    policy without a reference model (ZeRO-2 and ZeRO-3), as TRL users commonly run DPO."""
     from trl import DPOTrainer
 
     from deepspeed_multi.transformers import multi_engine_trainer
@@ -322,6 +329,13 @@ def dpo_vs_ddp(cases=((1, False), (2, False), (1, True))):
         assert trainer.ref_model in engines and trainer.ref_model.zero_optimization_stage() == 3
         compare((logs, weights), want[:2], f"DPO gas {gas}{', sync_ref_model' if sync else ''}, policy ZeRO-2, "
                                            "reference ZeRO-3")
+    want = run_dpo(DPOTrainer, 1, lora=True)
+    for stage in (2, 3):
+        logs, weights, trainer = run_dpo(multi_engine_trainer(DPOTrainer), 1, deepspeed=ds_config(stage, 1, None),
+                                         lora=True)
+        assert [e.zero_optimization_stage() for e in trainer.accelerator.engines()] == [stage]
+        assert any("lora_" in n for n in weights), "no LoRA weights trained"
+        compare((logs, weights), want[:2], f"DPO with a LoRA policy at ZeRO-{stage}, its adapters off for reference")
     return dist.get_rank()
 
 
