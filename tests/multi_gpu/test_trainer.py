@@ -46,7 +46,8 @@ def _fp16():
 def test_trl_trainers_with_per_role_configs():
     """TRL's trainers through multi_engine_trainer, each extra model at ZeRO-3 via deepspeed_roles,
     against the same TRL trainer under DDP (losses, grad_norm, LR, final weights exact; the engines'
-    stages asserted): DPOTrainer (policy ZeRO-2, gas 1 and 2, and sync_ref_model; a LoRA policy at ZeRO-2
+    stages asserted): SFTTrainer (ZeRO-2, and ZeRO-3 with packing, gas 2), DPOTrainer (policy ZeRO-2, gas
+    1 and 2, and sync_ref_model; a LoRA policy at ZeRO-2
     and ZeRO-3 without a reference model), GRPOTrainer (policy
     ZeRO-2 gas 1 with a reward model, policy ZeRO-3 generating at gas 2), RLOOTrainer (gas 2,
     reference and reward model), DistillationTrainer (teacher, gas 1 and 2), and the experimental
@@ -56,6 +57,7 @@ def test_trl_trainers_with_per_role_configs():
 
 
 def _trl():
+    checks.sft_vs_ddp()
     checks.dpo_vs_ddp()
     checks.grpo_vs_ddp()
     checks.grpo_vs_ddp([(2, 2, True)], trainer="RLOO")

@@ -339,6 +339,32 @@ def dpo_vs_ddp(cases=((1, False), (2, False), (1, True))):
     return dist.get_rank()
 
 
+# -------------------------------------------------------------------------------- TRL: SFT
+def run_sft(trainer_cls, gas, deepspeed=None, packing=False):
+    from datasets import Dataset
+    from trl import SFTConfig
+    _fresh_process_state()
+    model = causal_lm()
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.randint(3, 9, (32, ), generator=g)
+    rows = [{"text": " ".join(f"w{int(i)}" for i in torch.randint(3, 64, (int(k), ), generator=g))} for k in lengths]
+    args = _trl_args(SFTConfig, gas, deepspeed, max_length=16, packing=packing)
+    trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=word_tokenizer())
+    return _train(trainer)
+
+
+def sft_vs_ddp(cases=((2, 2, False), (3, 2, True))):
+    """SFTTrainer on short texts against DDP SFT; ``cases``: (stage, gas, packing)."""
+    from trl import SFTTrainer
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    for stage, gas, packing in cases:
+        want = run_sft(SFTTrainer, gas, packing=packing)
+        got = run_sft(multi_engine_trainer(SFTTrainer), gas, deepspeed=ds_config(stage, gas, None), packing=packing)
+        compare(got[:2], want[:2], f"SFT ZeRO-{stage} gas {gas}{', packing' if packing else ''}")
+
+
 # -------------------------------------------------------------------------------- TRL: GRPO
 def _prompts(n=16, seed=5):
     from datasets import Dataset
