@@ -473,28 +473,43 @@ def run_llava_trainer(trainer_cls, gas, deepspeed=None, out=None, resume=None, *
     tc._fresh_process_state()
     out = out or tc._shared_tmp()
     trainer = trainer_cls(model=llava(), args=tc._args(out, gas, 0.5, copy.deepcopy(deepspeed), **kw),
-                          train_dataset=ImageTextData())
+                          train_dataset=ImageTextData(), eval_dataset=ImageTextData(8, seed=5))
     return tc._train(trainer, resume)
+
+
+def _eval_losses(trainer):
+    return [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+
+
+EVAL_EVERY_2 = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
 
 
 def trainer_parts_vs_ddp(gas=2):
     """TrainingArguments(deepspeed=<config with submodules>) on LLaVA: the LLM at ZeRO-3, the vision
-    tower at ZeRO-1, the projector and lm_head at ZeRO-2; losses, grad_norm, learning rate and
-    weights equal a DDP Trainer's; save_model -> from_pretrained gives the trained weights; a
-    resume from the step-2 checkpoint equals the uninterrupted run."""
+    tower at ZeRO-1, the projector and lm_head at ZeRO-2; losses, grad_norm, learning rate,
+    evaluation losses every 2 steps and weights equal a DDP Trainer's, with gradient checkpointing
+    too; save_model -> from_pretrained gives the trained weights; a resume from the step-2
+    checkpoint equals the uninterrupted run."""
     from transformers import LlavaForConditionalGeneration, Trainer
 
     import trainer_checks as tc
     from deepspeed_multi.transformers import Trainer as MultiTrainer
-    want_logs, want_weights, _ = run_llava_trainer(Trainer, gas)
+    want_logs, want_weights, ddp = run_llava_trainer(Trainer, gas, **EVAL_EVERY_2)
     cfg = parts_trainer_config()
     out = tc._shared_tmp()
     logs, weights, trainer = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, out=out, save_strategy="steps",
-                                               save_steps=2)
+                                               save_steps=2, **EVAL_EVERY_2)
     (engine, ) = trainer.accelerator.engines()
     assert engine.zero_optimization_stages() == {"model.language_model": 3, "model.vision_tower": 1, "_rest": 2}
     assert set(weights) == set(want_weights)
     tc.compare((logs, weights), (want_logs, want_weights), f"LLaVA in parts, gas {gas}")
+    evals, want_evals = _eval_losses(trainer), _eval_losses(ddp)
+    assert len(evals) == len(want_evals) >= 2 and all(abs(a - b) <= FP32_TOL for a, b in zip(evals, want_evals)), \
+        f"LLaVA in parts: evaluation losses during training {evals} vs DDP {want_evals}"
+    # TrainingArguments(gradient_checkpointing=True), which the DDP Trainer cannot run on this model
+    # (DDP: "Expected to have finished reduction in the prior iteration"), against DDP without it.
+    checkpointed = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, gradient_checkpointing=True)
+    tc.compare(checkpointed[:2], (want_logs, want_weights), f"LLaVA in parts, gas {gas}, gradient checkpointing")
     trainer.save_model(os.path.join(out, "final"))
     dist.barrier()
     loaded = LlavaForConditionalGeneration.from_pretrained(os.path.join(out, "final"))
