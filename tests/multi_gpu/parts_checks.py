@@ -468,12 +468,16 @@ def check_from_pretrained_in_zero_init():
     assert diff[worst] == 0, f"from_pretrained in zero_init: {worst} differs from the saved weight by {diff[worst]:.3e}"
 
 
-def run_llava_trainer(trainer_cls, gas, deepspeed=None, out=None, resume=None, **kw):
+def run_llava_trainer(trainer_cls, gas, deepspeed=None, out=None, resume=None, evaluate_first=False, **kw):
     import trainer_checks as tc
     tc._fresh_process_state()
     out = out or tc._shared_tmp()
     trainer = trainer_cls(model=llava(), args=tc._args(out, gas, 0.5, copy.deepcopy(deepspeed), **kw),
                           train_dataset=ImageTextData(), eval_dataset=ImageTextData(8, seed=5))
+    if evaluate_first:  # (a ZeRO-3 config: evaluate() builds an inference engine, train() lets go of it)
+        trainer.evaluate()
+        from deepspeed_multi.parts.engine import PartedEngine
+        assert isinstance(trainer.model_wrapped, PartedEngine) and not trainer.model_wrapped.has_optimizer
     return tc._train(trainer, resume)
 
 
@@ -488,8 +492,8 @@ def trainer_parts_vs_ddp(gas=2):
     """TrainingArguments(deepspeed=<config with submodules>) on LLaVA: the LLM at ZeRO-3, the vision
     tower at ZeRO-1, the projector and lm_head at ZeRO-2; losses, grad_norm, learning rate,
     evaluation losses every 2 steps and weights equal a DDP Trainer's, with gradient checkpointing
-    too; save_model -> from_pretrained gives the trained weights; a resume from the step-2
-    checkpoint equals the uninterrupted run."""
+    too, and after an evaluate() before train() (ZeRO-3 rest); save_model -> from_pretrained gives
+    the trained weights; a resume from the step-2 checkpoint equals the uninterrupted run."""
     from transformers import LlavaForConditionalGeneration, Trainer
 
     import trainer_checks as tc
@@ -510,6 +514,9 @@ def trainer_parts_vs_ddp(gas=2):
     # (DDP: "Expected to have finished reduction in the prior iteration"), against DDP without it.
     checkpointed = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, gradient_checkpointing=True)
     tc.compare(checkpointed[:2], (want_logs, want_weights), f"LLaVA in parts, gas {gas}, gradient checkpointing")
+    after_eval = run_llava_trainer(MultiTrainer, gas, deepspeed=parts_trainer_config(rest_stage=3),
+                                   evaluate_first=True, per_device_eval_batch_size=2)
+    tc.compare(after_eval[:2], (want_logs, want_weights), "LLaVA in parts (ZeRO-3 rest), evaluate() then train()")
     trainer.save_model(os.path.join(out, "final"))
     dist.barrier()
     loaded = LlavaForConditionalGeneration.from_pretrained(os.path.join(out, "final"))
