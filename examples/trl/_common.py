@@ -11,6 +11,7 @@ vocabulary, so nothing is downloaded. The task is learnable in a few steps: sequ
 upwards (``w7 w8 w9 ...``).
 """
 import argparse
+import gc
 import os
 import sys
 
@@ -136,7 +137,13 @@ def trend(key, falls=True):
 
 def end(trainer):
     """Destroy the process group before exiting: a gloo job whose groups are alive when Python exits can
-    die in std::terminate after finishing its work (pytorch/pytorch#190489; docs/failure_and_recovery.md)."""
+    die in std::terminate after finishing its work (pytorch/pytorch#190489; docs/failure_and_recovery.md).
+    The ranks first wait for each other (rank 0 may still be writing the saved model) and the engines
+    are destroyed, so that no rank tears its groups down under a peer's collective and nothing of the
+    engines' is left for the interpreter's finalization to free."""
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.free_memory()
+    gc.collect()
     trainer.accelerator.end_training()
 
 
