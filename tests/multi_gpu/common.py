@@ -127,6 +127,7 @@ class Scenario:
     world_size: int = field(default_factory=lambda: WORLD_SIZE)
     took_effect: Callable = None  # engines -> None; raises if a configured knob did not take effect
     prepare: Callable = None  # engines -> None: after initialize, before the first forward (e.g. engine.compile())
+    after_micro_step: Callable = None  # (engines, step, initialize) -> None: after a micro-step's actions
 
     def __post_init__(self):
         if self.batch is None:
@@ -221,19 +222,19 @@ def run_reference(scenario: Scenario):
 
 def build_engines(scenario: Scenario, initialize):
     """``initialize`` is deepspeed_multi.initialize or deepspeed.initialize."""
-    engines = {}
-    for name, m in scenario.members.items():
-        model = m.build()
-        cfg = copy.deepcopy(m.config)
-        if m.trainable:
-            # The trainable parameters only, as Trainer passes them (a PEFT model's base weights are frozen).
-            params = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.SGD(m.param_groups(params) if m.param_groups else params, lr=m.lr)
-            engines[name], _, _, _ = initialize(model=model, optimizer=opt, config=cfg)
-        else:
-            model.requires_grad_(False)
-            engines[name], _, _, _ = initialize(model=model, config=cfg)
-    return engines
+    return {name: build_engine(m, m.build(), initialize) for name, m in scenario.members.items()}
+
+
+def build_engine(m: Member, model: nn.Module, initialize):
+    """Member ``m``'s engine over ``model`` (a new SGD optimizer for a trainable member)."""
+    cfg = copy.deepcopy(m.config)
+    if m.trainable:
+        # The trainable parameters only, as Trainer passes them (a PEFT model's base weights are frozen).
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(m.param_groups(params) if m.param_groups else params, lr=m.lr)
+        return initialize(model=model, optimizer=opt, config=cfg)[0]
+    model.requires_grad_(False)
+    return initialize(model=model, config=cfg)[0]
 
 
 def run_engines(scenario: Scenario, initialize, engines=None):
@@ -249,6 +250,8 @@ def run_engines(scenario: Scenario, initialize, engines=None):
             _backward(phase.loss(engines, batch, cache), phase.retain_graph)
             for action, name in scenario.actions(phase):
                 getattr(engines[name], action)()
+        if scenario.after_micro_step is not None:
+            scenario.after_micro_step(engines, step, initialize)
     return engines
 
 

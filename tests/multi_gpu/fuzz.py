@@ -32,7 +32,10 @@ What a program draws
   engines whose model declares ``body`` and/or ``head`` as submodules with ZeRO stages of their
   own (``deepspeed_multi.submodules``), the rest of the model at the engine's stage; at least one
   part's stage differs from its engine's. Not with knobs (a knob drawn for one stage may be
-  refused at another), and ``head`` not when it is tied to ``emb`` (refused across parts).
+  refused at another), and ``head`` not when it is tied to ``emb`` (refused across parts);
+- in about a quarter of the programs (a stream of its own): one engine ``destroy()``-ed at the end
+  of one of its accumulation windows and built again over its module with a new optimizer
+  ([Note: destroy() hands the module back]; SGD is stateless, so the reference does not change).
 
 Profiles: ``fp32`` (every engine fp32, exact to 1e-5) and ``bf16`` (every engine bf16, update
 cosine > 0.99 and norm within 5%). Not drawn, because they are documented limits with their own
@@ -56,8 +59,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from deepspeed_multi import compat  # noqa: E402
-from common import (FP32_TOL, WORLD_SIZE, Member, Phase, Scenario, compare, ds_config, run_engines,  # noqa: E402
-                    run_reference)
+from common import (FP32_TOL, WORLD_SIZE, Member, Phase, Scenario, build_engine, compare, ds_config,  # noqa: E402
+                    run_engines, run_reference)
 
 OUTPUTS = ("tensor", "tuple", "dict", "dataclass", "modeloutput")
 MICRO_STEPS = 4
@@ -152,8 +155,21 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = Fa
                 e["knobs"]["zero"]["sub_group_size"] = 100  # (and gradient partitions, zero/stage3_lazy_grads.py)
     elif parts:
         _draw_parts(random.Random(f"parts-{seed}"), engines)
+    rebuild = _draw_rebuild(random.Random(f"rebuild-{seed}"), engines)
     return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad,
-                knobs=knobs, parts=parts)
+                knobs=knobs, parts=parts, rebuild=rebuild)
+
+
+def _draw_rebuild(rng, engines):
+    """In about a quarter of the programs, one engine is destroyed at the end of one of its
+    accumulation windows and built again over its module (a new SGD optimizer, stateless as the
+    reference's): ``[(micro_step, engine index)]``."""
+    if rng.random() >= 0.25:
+        return []
+    i = rng.randrange(len(engines))
+    gas = engines[i]["gas"] if engines[i]["trains"] else 1
+    ends = [s for s in range(MICRO_STEPS - 1) if (s + 1) % gas == 0]
+    return [(rng.choice(ends), i)] if ends else []
 
 
 def _draw_parts(rng, engines):
@@ -230,8 +246,9 @@ def describe(spec) -> str:
                            if "parts" in e else "")
                         for i, e in enumerate(spec["engines"]))
     terms = "; ".join(f"{t['loss']}({_expr_str(t['expr'])}) on {t['when']} steps" for t in spec["terms"])
+    rebuilt = "".join(f"; e{i} destroyed and built again after micro-step {s}" for s, i in spec.get("rebuild", ()))
     return (f"seed {spec['seed']} ({spec['profile']}): engines [{engines}]; loss = {terms}; "
-            f"plan {spec['plan']}; zero_grad {['e%d' % i for i in spec['zero_grad']]}")
+            f"plan {spec['plan']}; zero_grad {['e%d' % i for i in spec['zero_grad']]}{rebuilt}")
 
 
 def _knobs_str(knobs) -> str:
@@ -362,8 +379,16 @@ def build(spec) -> Scenario:
         return {"x": torch.randn(4, 8, generator=g), "y": torch.randn(4, 8, generator=g),
                 "step": torch.tensor(step), "rank": torch.tensor(rank)}
 
+    def rebuild(engines, step, initialize):
+        for s, i in spec.get("rebuild", ()):
+            if s == step:
+                name = f"e{i}"
+                old = engines[name]
+                old.destroy()
+                engines[name] = build_engine(members[name], old.module, initialize)
+
     scenario = Scenario(members=members, phases=phases, batch=batch, micro_steps=MICRO_STEPS, dtype=dtype,
-                        world_size=WORLD_SIZE)
+                        world_size=WORLD_SIZE, after_micro_step=rebuild)
     scenario.input_grads = input_grads
     return scenario
 
