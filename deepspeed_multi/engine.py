@@ -374,6 +374,8 @@ class MultiEngine(DeepSpeedEngine):
         self.micro_steps += 1
         self._step_applied = False
 
+    __del__ = hand_back.at_garbage_collection  # DeepSpeed's destroy() only: GC comes at any point
+
     def destroy(self):
         """DeepSpeed's destroy() after the module is handed back (hand_back.py); later uses are refused."""
         if self._state is not TrainingState.DESTROYED:

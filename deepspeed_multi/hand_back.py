@@ -2,10 +2,10 @@
 
 [Note: destroy() hands the module back]
 ``DeepSpeedEngine.destroy()`` takes ZeRO's hooks off the module and its parameters so that a new
-engine can be built over the same module. Accelerate's ``free_memory()`` calls it, and with it
-every ``Trainer.train()`` before it builds its engine, so a second ``train()`` (or a
-batch-size search, a ``model_init`` sweep) trains the module through a second engine. A
-MultiEngine puts more on the module than DeepSpeed does: the region's forward hooks on every
+engine can be built over the same module. Accelerate's ``free_memory()`` calls it (and every
+``Trainer.train()`` calls that before it builds its engine): a new Trainer over a trained model,
+an ``evaluate()`` engine replaced by the training one, a model prepared again. A MultiEngine puts
+more on the module than DeepSpeed does: the region's forward hooks on every
 submodule (autograd/region.py), the direct-use and skip-group checks on the parameters'
 gradient accumulators, the watchdog's forward hooks and, at bf16/fp16 ZeRO-3, the parameters'
 16-bit partitions released (zero/stage3_cast_on_gather.py). Left there they would act for the
@@ -15,14 +15,22 @@ placeholders (NaN, silently, at bf16 ZeRO-3).
 
 So ``destroy()`` drains ZeRO-3's prefetch, takes all of ours off, rebuilds DeepSpeed's 16-bit
 partitions from the masters (the values DeepSpeed's layout holds: the new engine gets
-DeepSpeed's bits), and leaves the engine's process-wide registrations (watchdog, skip group,
-data-parallel groups); then DeepSpeed's destroy() runs. What is left on the module is what
+DeepSpeed's bits), and takes the engine out of the process-wide registries (watchdog, skip
+group, data-parallel groups, the parameters' owner); then DeepSpeed's destroy() runs. What is left on the module is what
 DeepSpeed leaves (its own forward hooks, which call the old engine's bookkeeping only). The
-engine refuses any use after, with an error that says to build a new one.
+engine refuses any use after, with an error that says to build a new one. An engine dropped without
+``destroy()`` gets DeepSpeed's part only, when it is garbage-collected (:func:`at_garbage_collection`).
 """
+import logging
+
+from deepspeed.runtime.engine import DeepSpeedEngine
+
 from . import zero
 from .autograd import outside_use
 from .reliability import dp_groups, misuse, watchdog
+from .state import TrainingState
+
+logger = logging.getLogger(__name__)
 
 
 def hand_back(engine) -> None:
@@ -39,8 +47,21 @@ def hand_back(engine) -> None:
         zero.hand_back(engine.optimizer)
 
 
+def at_garbage_collection(engine) -> None:
+    """``MultiEngine.__del__``. DeepSpeed's ``__del__`` calls ``destroy()``, and garbage collection
+    can come at any point of other engines' work (inside a loop over a module's hooks or over a
+    registry that the hand back edits: "dictionary changed size during iteration"). So only
+    DeepSpeed's part runs then, as before MultiEngine had a destroy() of its own; the hooks of an
+    engine that is gone do nothing (they hold it weakly)."""
+    if getattr(engine, "_state", None) is TrainingState.DESTROYED:
+        return
+    try:
+        DeepSpeedEngine.destroy(engine)
+    except Exception as exc:  # noqa: BLE001 - as DeepSpeed's __del__: a half-built engine has nothing to free
+        logger.debug("MultiEngine.__del__: DeepSpeed's cleanup skipped: %s", exc)
+
+
 def refuse_if_destroyed(engine, what: str) -> None:
-    from .state import TrainingState
     if engine._state is TrainingState.DESTROYED:
         raise RuntimeError(
             f"MultiEngine ({engine._engine_name()}): {what} called after engine.destroy() (Accelerate's free_memory() "

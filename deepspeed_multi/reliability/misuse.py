@@ -34,6 +34,7 @@ import gc
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..autograd.graph import any_param_in_current_graph, in_backward
 from ..state import TrainingState
@@ -84,7 +85,9 @@ def refuse_engine_as_model(model, where: str) -> None:
             "module (engine.module) to build a new one.")
 
 
-_TRAINED_BY = "_dsm_trained_by"  # on each trainable parameter: a weak reference to its MultiEngine
+# Each trainable parameter -> a weak reference to the MultiEngine that trains it; keyed by identity and
+# held weakly (no attribute on the parameter: a deepcopy of the model is not the engine's).
+_TRAINED_BY = WeakIdKeyDictionary()
 
 
 def claim_parameters(engine) -> None:
@@ -92,14 +95,15 @@ def claim_parameters(engine) -> None:
     if engine.trains:
         owner = weakref.ref(engine)
         for p in engine._trainable_params:
-            setattr(p, _TRAINED_BY, owner)
+            _TRAINED_BY[p] = owner
 
 
 def release_parameters(engine) -> None:
     """``engine.destroy()``: its parameters are free for a new engine."""
     for p in engine._trainable_params:
-        if getattr(p, _TRAINED_BY, lambda: None)() is engine:
-            delattr(p, _TRAINED_BY)
+        ref = _TRAINED_BY.get(p)
+        if ref is not None and ref() is engine:
+            del _TRAINED_BY[p]
 
 
 def refuse_parameters_of_live_engine(model, trains: bool, where: str) -> None:
@@ -128,7 +132,8 @@ def refuse_parameters_of_live_engine(model, trains: bool, where: str) -> None:
 def _live_zero23_owners(model) -> dict:
     found = {}
     for name, p in model.named_parameters():
-        owner = getattr(p, _TRAINED_BY, lambda: None)() if p.requires_grad else None
+        ref = _TRAINED_BY.get(p) if p.requires_grad else None
+        owner = ref() if ref is not None else None
         if (owner is not None and owner._state is not TrainingState.DESTROYED
                 and owner.zero_optimization_stage() >= 2):
             found[name] = owner

@@ -1,4 +1,5 @@
 """Rank functions for test_api.py (importable by the spawned ranks)."""
+import copy
 import functools
 
 import deepspeed
@@ -680,7 +681,8 @@ def destroy_then_rebuild(stage):
     bf16: nothing of ours is left on it, the destroyed engine refuses use, and a new engine over the
     module trains bit-equal to a new engine over a fresh module holding the same values (fp32: and
     equal to plain PyTorch across both engines, 1e-5). A trainable engine over the parameters of a
-    ZeRO-2/3 engine not destroyed is refused at initialize; over a ZeRO-1 engine's it is not (exact)."""
+    ZeRO-2/3 engine not destroyed is refused at initialize; over a ZeRO-1 engine's it is not (exact),
+    nor over a deepcopy of a live ZeRO-2 engine's module."""
     for dtype in ("fp32", "bf16"):
         what = f"ZeRO-{stage} {dtype}"
         model, ref = MLP(seed=1), MLP(seed=1)
@@ -747,6 +749,10 @@ def destroy_then_rebuild(stage):
                 assert f"ZeRO stage {old_stage}) that was not destroyed" in str(e), e
             else:
                 raise AssertionError(f"ZeRO-{stage} over a live ZeRO-{old_stage} engine's parameters was accepted")
+        if old_stage == 2:  # a copy of the module is not the live engine's: built
+            twin = copy.deepcopy(model)
+            deepspeed_multi.initialize(model=twin, optimizer=torch.optim.SGD(twin.parameters(), lr=0.1),
+                                       config=ds_config(stage))[0].destroy()
         old.destroy()
 
 
