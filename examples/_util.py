@@ -45,6 +45,9 @@ def setup(seed: int = 0):
 
 def _destroy_process_group():
     if torch.distributed.is_initialized():
+        import gc
+        gc.collect()  # engines left in reference cycles go while the interpreter is whole
+        torch.distributed.barrier()  # no rank tears its groups down under a peer's last collective
         torch.distributed.destroy_process_group()
 
 

@@ -109,3 +109,16 @@ def check_falling(accel, name, history, short):
     accel.print(f"{name}: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
     if not last < first:
         raise SystemExit(f"{name} did not fall ({first:.4f} -> {last:.4f})")
+
+
+def end(accel):
+    """Destroy the process group before exiting: a gloo job whose groups are alive when Python exits can
+    die in std::terminate after finishing its work (pytorch/pytorch#190489; docs/failure_and_recovery.md).
+    The ranks first wait for each other and the engines are destroyed and collected, so that no rank
+    tears its groups down under a peer's last collective and nothing of the engines' (a pending
+    collective's work object) is left for the interpreter's finalization to free."""
+    import gc
+    accel.wait_for_everyone()
+    accel.free_memory()
+    gc.collect()
+    accel.end_training()

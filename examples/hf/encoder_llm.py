@@ -77,7 +77,7 @@ def main():
             opt.zero_grad()
         history.append(_common.mean_over_ranks(accel, out.loss.item()))
     _common.check_falling(accel, "answer cross-entropy", history, args.short)
-    accel.end_training()  # destroy the process group: gloo's threads can abort an exit without it
+    _common.end(accel)  # destroy the process group: gloo's threads can abort an exit without it
 
 
 if __name__ == "__main__":

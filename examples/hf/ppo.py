@@ -97,7 +97,7 @@ def main():
     accel.print(f"critic loss: first {k} steps {sum(critic_losses[:k]) / k:.4f} -> last {k} steps "
                 f"{sum(critic_losses[-k:]) / k:.4f}")
     _common.check_falling(accel, "PPO objective (minus the mean reward)", [-r for r in rewards], args.short)
-    accel.end_training()  # destroy the process group: gloo's threads can abort an exit without it
+    _common.end(accel)  # destroy the process group: gloo's threads can abort an exit without it
 
 
 if __name__ == "__main__":
