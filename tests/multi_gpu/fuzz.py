@@ -33,7 +33,7 @@ What a program draws
   own (``deepspeed_multi.submodules``), the rest of the model at the engine's stage; at least one
   part's stage differs from its engine's. Not with knobs (a knob drawn for one stage may be
   refused at another), and ``head`` not when it is tied to ``emb`` (refused across parts);
-- in about a quarter of the programs (a stream of its own): one engine ``destroy()``-ed at the end
+- in about a quarter of the fp32 programs (a stream of its own): one engine ``destroy()``-ed at the end
   of one of its accumulation windows and built again over its module with a new optimizer
   ([Note: destroy() hands the module back]; SGD is stateless, so the reference does not change);
   not a ZeRO-3 engine or part (see ``_draw_rebuild``).
@@ -156,7 +156,7 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = Fa
                 e["knobs"]["zero"]["sub_group_size"] = 100  # (and gradient partitions, zero/stage3_lazy_grads.py)
     elif parts:
         _draw_parts(random.Random(f"parts-{seed}"), engines)
-    rebuild = _draw_rebuild(random.Random(f"rebuild-{seed}"), engines)
+    rebuild = _draw_rebuild(random.Random(f"rebuild-{seed}"), engines) if profile == "fp32" else []
     return dict(seed=seed, profile=profile, engines=engines, terms=terms, plan=plan, zero_grad=zero_grad,
                 knobs=knobs, parts=parts, rebuild=rebuild)
 
@@ -170,7 +170,10 @@ def _draw_rebuild(rng, engines):
     middle of that first window fails ("Cannot free a ZeRO-3 parameter while it is still active
     in submodules"; knob seeds 890042 and 890072 drawn without this filter); upstream
     deepspeed.initialize + destroy() fails the same way. Not fixed; test_api's destroy test and the
-    Trainer tests cover ZeRO-3 rebuilds read at window boundaries."""
+    Trainer tests cover ZeRO-3 rebuilds read at window boundaries. Not in the bf16 profile: a rebuilt
+    16-bit engine's fp32 masters are its 16-bit values (as DeepSpeed's are), which the fp32-master
+    reference cannot absorb (update cosine 0.92 and 0.98 at ZeRO-1, seeds 892100 and 892576);
+    test_api's destroy test checks bf16 rebuilds bit-equal to an engine over a fresh module."""
     if rng.random() >= 0.25:
         return []
     i = rng.randrange(len(engines))
