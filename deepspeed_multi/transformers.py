@@ -47,7 +47,7 @@ import sys
 import torch
 
 from . import compat
-from .accelerate.accelerator import Accelerator
+from .accelerate.accelerator import ENGINES, Accelerator
 from .accelerate.wrappers import EngineOptimizer
 from .config import enabled, load_config, merged
 from .engine import MultiEngine
@@ -248,11 +248,11 @@ def _train(self, *args, **kwargs):
     """``cls.train``: after ``evaluate()``/``predict()`` as under DDP; refused a second time on the same
     trainer (see the message)."""
     previous = self.model_wrapped
-    if isinstance(previous, (MultiEngine, PartedEngine)) and not previous.has_optimizer:
+    if isinstance(previous, ENGINES) and not previous.has_optimizer:
         # evaluate()/predict() before train() (ZeRO-3) built an inference engine; the Trainer would train
         # through it (upstream: AttributeError at the first backward). train()'s free_memory destroys it.
         self.model_wrapped, self.deepspeed = self.model, None
-    elif isinstance(previous, (MultiEngine, PartedEngine)):
+    elif isinstance(previous, ENGINES):
         raise RuntimeError(
             f"{type(self).__name__}.train() was already called on this trainer, and built its DeepSpeed engine. "
             "A second train() on the same Trainer is not supported under DeepSpeed: transformers' deepspeed_init "

@@ -86,6 +86,7 @@ _REGIONS = {
 class _Off:
     """The watch of an engine whose watchdog is off: every call does nothing."""
     enabled = False
+    hooks = ()
 
     def enter(self, what):
         pass
@@ -103,6 +104,7 @@ class _Off:
 class EngineWatch:
     """The regions one engine is in on this rank, as ``what -> time.monotonic() at entry``."""
     enabled = True
+    hooks = ()  # its forward hooks on the engine's module (attach), removed by detach
 
     def __init__(self, engine, timeout_s, index, monitor=None, agree=False):
         self.engine = weakref.ref(engine)
@@ -200,7 +202,7 @@ def attach(engine):
 def detach(engine) -> None:
     """``engine.destroy()``: its watch leaves the monitor and the module; the engine's is off from now."""
     watch = engine.watchdog
-    for handle in getattr(watch, "hooks", ()):
+    for handle in watch.hooks:
         handle.remove()
     if watch.enabled:
         watch.marks.clear()

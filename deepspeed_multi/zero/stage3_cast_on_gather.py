@@ -238,9 +238,13 @@ def _on_deepspeed_layout(name):
     return on_deepspeed_layout
 
 
+def _installed_state(optimizer):
+    return compat.state(optimizer, FEATURE)["cast"] if compat.installed(optimizer, FEATURE) else None
+
+
 def restore(optimizer) -> None:
     """DeepSpeed's 16-bit buffer for good (before ``offload_states``, which moves it)."""
-    state = compat.state(optimizer, FEATURE)["cast"] if compat.installed(optimizer, FEATURE) else None
+    state = _installed_state(optimizer)
     if state is not None and state.on:
         if state.layout_depth == 0:
             state.rebuild()
@@ -251,11 +255,12 @@ def hand_back(optimizer) -> None:
     """``engine.destroy()``: DeepSpeed's 16-bit partitions for good, the values a new engine over the
     module builds from; the parameters let go of this optimizer."""
     restore(optimizer)
-    if compat.installed(optimizer, FEATURE):
-        state = compat.state(optimizer, FEATURE)["cast"]
-        for _, p, _, _ in state.params():
-            if getattr(p, _SOURCE, (None, ))[0] is state:
-                delattr(p, _SOURCE)
+    state = _installed_state(optimizer)
+    if state is None:
+        return
+    for _, p, _, _ in state.params():
+        if getattr(p, _SOURCE, (None, ))[0] is state:
+            delattr(p, _SOURCE)
 
 
 def applies(optimizer) -> bool:
