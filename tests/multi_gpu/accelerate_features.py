@@ -9,7 +9,7 @@ import torch
 import deepspeed.comm as dist
 
 import hf_models as hm
-from common import FP32_TOL, MLP, full_params
+from common import FP32_TOL, MLP, expect_error, full_params
 from hf_common import LR, lr_lambda, reset_accelerate
 from hf_loops import cfg
 
@@ -24,12 +24,7 @@ def _accelerator(**plugin_configs):
 
 
 def _expect(exc_type, text, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as e:
-        assert text in str(e), f"expected {text!r} in the error, got: {e}"
-        return str(e)
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} must raise {exc_type.__name__} ({text!r})")
+    return expect_error(exc_type, lambda: fn(*args, **kwargs), text)
 
 
 def _batch(step):

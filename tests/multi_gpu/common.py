@@ -139,6 +139,17 @@ class Scenario:
         return tuple(("step", name) for name, m in self.members.items() if m.trainable)
 
 
+def expect_error(exc_type, fn, *texts) -> str:
+    """``fn()`` must raise ``exc_type`` with every one of ``texts`` in its message; returns the message."""
+    try:
+        fn()
+    except exc_type as e:
+        for text in texts:
+            assert text in str(e), f"{text!r} not in: {e}"
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} must raise {exc_type.__name__} containing {texts}")
+
+
 def default_batch(step, rank, n=4, d=8):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return {"x": torch.randn(n, d, generator=g), "y": torch.randn(n, d, generator=g)}

@@ -6,6 +6,7 @@ import torch
 
 import deepspeed_multi
 from common import MLP, ds_config, full_params
+from common import expect_error as _expect
 
 
 class Enc(MLP):
@@ -28,16 +29,6 @@ def _pair(stage):
 def _batch():
     g = torch.Generator().manual_seed(dist.get_rank())
     return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
-
-
-def _expect(exc_type, fn, *texts):
-    try:
-        fn()
-    except exc_type as e:
-        for text in texts:
-            assert text in str(e), f"{text!r} not in: {e}"
-        return str(e)
-    raise AssertionError(f"expected {exc_type.__name__} containing {texts}")
 
 
 def _same(engines, others, what):

@@ -13,7 +13,7 @@ import torch
 
 import deepspeed.comm as dist
 
-from common import FP32_TOL
+from common import FP32_TOL, expect_error
 from hf_common import reset_accelerate
 from hf_models import causal_lm, tokens
 
@@ -79,19 +79,25 @@ def _train(trainer, resume=None):
 
 
 def run_trainer(trainer_cls, gas, max_grad_norm, deepspeed=None, out=None, loss_kwargs=True, resume=None,
-                **args):
+                model=None, evaluate_first=False, **args):
     """Train once; return (log history of the training steps, final full weights by name, trainer).
 
     ``loss_kwargs=False``: the Trainer divides each micro-batch's loss by its accumulation count
     (a model that takes no ``num_items_in_batch``) instead of normalizing by the window's tokens.
+    ``model``: train this model instead of a new tiny Llama. ``evaluate_first``: ``evaluate()``
+    before ``train()`` (under a ZeRO-3 config that builds an inference engine, which train() lets go of).
     """
     _fresh_process_state()
-    model = causal_lm()
+    # (The model before the arguments: under their ZeRO-3 config from_config would build it under zero.Init.)
+    model = model if model is not None else causal_lm()
     out = out or _shared_tmp()
     trainer = trainer_cls(model=model, args=_args(out, gas, max_grad_norm, copy.deepcopy(deepspeed), **args),
-                          train_dataset=TokenData())
+                          train_dataset=TokenData(), eval_dataset=TokenData(8, seed=3))
     if not loss_kwargs:
         trainer.model_accepts_loss_kwargs = False
+    if evaluate_first:
+        trainer.evaluate()
+        assert deepspeed is None or not trainer.model_wrapped.has_optimizer  # the inference engine it built
     result = _train(trainer, resume)
     if deepspeed is not None:
         engines = trainer.accelerator.engines()
@@ -162,21 +168,13 @@ def again_vs_ddp(stages, gas=2):
     from deepspeed_multi.transformers import Trainer as MultiTrainer
 
     def run(trainer_cls, deepspeed=None):
-        _fresh_process_state()
-        model = causal_lm()
-        runs = []
-        for _ in range(2):
-            trainer = trainer_cls(model=model, args=_args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed)),
-                                  train_dataset=TokenData())
-            logs, weights, _ = _train(trainer)
-            runs.append(logs)
-            if deepspeed is not None:
-                if not runs[1:]:
-                    _refused(lambda: trainer.train(), "train() was already called on this trainer")
-                trainer.model_wrapped.destroy()
-                _refused(lambda: trainer.model_wrapped.step(), "after engine.destroy()")
-            model = trainer.model
-        return runs[0], runs[1], weights
+        first, _, trainer = run_trainer(trainer_cls, gas, 0.5, deepspeed=deepspeed)
+        if deepspeed is not None:
+            expect_error(RuntimeError, trainer.train, "train() was already called on this trainer")
+            trainer.model_wrapped.destroy()
+            expect_error(RuntimeError, trainer.model_wrapped.step, "after engine.destroy()")
+        second, weights, _ = run_trainer(trainer_cls, gas, 0.5, deepspeed=deepspeed, model=trainer.model)
+        return first, second, weights
 
     want = run(Trainer)
     for stage in stages:
@@ -185,6 +183,9 @@ def again_vs_ddp(stages, gas=2):
         compare((got[1], got[2]), (want[1], want[2]), f"ZeRO-{stage}, a new Trainer over the trained model")
     evaluate_then_train_vs_ddp()
     return dist.get_rank()
+
+
+EVAL_EVERY_2 = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
 
 
 def evaluate_then_train_vs_ddp(stage=3, gas=2):
@@ -197,34 +198,20 @@ def evaluate_then_train_vs_ddp(stage=3, gas=2):
     from transformers import Trainer
 
     from deepspeed_multi.transformers import Trainer as MultiTrainer
-
-    def run(trainer_cls, deepspeed=None):
-        _fresh_process_state()
-        model = causal_lm()  # (before the arguments: under their ZeRO-3 config from_config would use zero.Init)
-        args = _args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), eval_strategy="steps", eval_steps=2,
-                     per_device_eval_batch_size=2)
-        trainer = trainer_cls(model=model, args=args, train_dataset=TokenData(), eval_dataset=TokenData(8, seed=3))
-        if deepspeed is not None:
-            trainer.evaluate()
-            assert not trainer.model_wrapped.has_optimizer  # the inference engine evaluate() built
-        logs, weights, _ = _train(trainer)
-        evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
-        return logs, weights, evals
-
-    (logs, weights, evals), (want_logs, want_weights, want_evals) = run(MultiTrainer, ds_config(stage, gas, None)), \
-        run(Trainer)
-    compare((logs, weights), (want_logs, want_weights), f"ZeRO-{stage}, evaluate() then train()")
-    assert len(evals) == len(want_evals) >= 2 and all(abs(a - b) <= FP32_TOL for a, b in zip(evals, want_evals)), \
-        f"ZeRO-{stage}: evaluation losses during training {evals} vs DDP {want_evals}"
+    what = f"ZeRO-{stage}, evaluate() then train()"
+    *got, trainer = run_trainer(MultiTrainer, gas, 0.5, deepspeed=ds_config(stage, gas, None), evaluate_first=True,
+                                **EVAL_EVERY_2)
+    *want, ddp = run_trainer(Trainer, gas, 0.5, **EVAL_EVERY_2)
+    compare(got, want, what)
+    compare_evals(trainer, ddp, what)
 
 
-def _refused(call, expected):
-    try:
-        call()
-    except RuntimeError as e:
-        assert expected in str(e), e
-    else:
-        raise AssertionError(f"not refused (expected an error with {expected!r})")
+def compare_evals(trainer, ddp, what):
+    """The evaluation losses logged during training by ``trainer`` and by the DDP ``ddp``: at least two,
+    equal to 1e-5."""
+    got, want = ([h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (trainer, ddp))
+    assert len(got) == len(want) >= 2 and all(abs(a - b) <= FP32_TOL for a, b in zip(got, want)), \
+        f"{what}: evaluation losses during training {got} vs DDP {want}"
 
 
 def _scale_wrt_gas_refused_outside_trainer():
