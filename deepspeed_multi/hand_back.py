@@ -16,8 +16,9 @@ placeholders (NaN, silently, at bf16 ZeRO-3).
 So ``destroy()`` drains ZeRO-3's prefetch, takes all of ours off, rebuilds DeepSpeed's 16-bit
 partitions from the masters (the values DeepSpeed's layout holds: the new engine gets
 DeepSpeed's bits), and takes the engine out of the process-wide registries (watchdog, skip
-group, data-parallel groups, the parameters' owner); then DeepSpeed's destroy() runs. What is left on the module is what
-DeepSpeed leaves (its own forward hooks, which call the old engine's bookkeeping only). The
+group, data-parallel groups, the parameters' owner) and, at ZeRO-3, drops the per-module backward functions that
+DeepSpeed creates once per module and its destroy() leaves bound to the old engine (zero/stage3_counters.forget);
+then DeepSpeed's destroy() runs. The
 engine refuses any use after, with an error that says to build a new one. An engine dropped without
 ``destroy()`` gets DeepSpeed's part only, when it is garbage-collected (:func:`at_garbage_collection`).
 """
@@ -26,6 +27,7 @@ import logging
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import zero
+from .zero import stage3_counters
 from .autograd import outside_use
 from .reliability import dp_groups, misuse, watchdog
 from .state import TrainingState
@@ -45,6 +47,8 @@ def hand_back(engine) -> None:
     misuse.release_parameters(engine)
     if engine.optimizer is not None:
         zero.hand_back(engine.optimizer)
+    if engine.zero_optimization_stage() == 3:
+        stage3_counters.forget(engine.module)
 
 
 def at_garbage_collection(engine) -> None:

@@ -17,6 +17,7 @@ import torch
 from ..autograd.tree import tree_map
 
 _PRE, _POST = "applied_pre_backward_ref_cnt", "ds_grads_remaining"
+_BACKWARD_FUNCTIONS = ("pre_bwd_fn", "post_bwd_fn")
 
 
 def cover_outputs(module: torch.nn.Module, outputs):
@@ -86,3 +87,19 @@ def rearm(added) -> None:
             m.__dict__[_PRE] = d_pre
         if m.__dict__.get(_POST, 0) == 0:
             m.__dict__[_POST] = d_post
+
+
+def forget(module: torch.nn.Module) -> None:
+    """``engine.destroy()``: take ZeRO-3's per-module backward functions and counters off ``module``.
+
+    ZeRO-3 creates a module's ``pre_bwd_fn``/``post_bwd_fn`` once ("not in module.__dict__"), as
+    closures over the ``DeepSpeedZeRoOffload`` that created them, and its destroy() leaves them.
+    An engine built later over the module would reuse them: its backward gathers would be recorded
+    on the destroyed engine's coordinator, which also stays alive. The new engine's end-of-backward
+    release then finds none of them, so a first submodule whose input needs no gradient keeps its
+    parameters active ("Cannot free a ZeRO-3 parameter while it is still active in submodules" at
+    the next ``GatheredParameters``). Without them the new engine creates its own.
+    """
+    for m in module.modules():
+        for name in (*_BACKWARD_FUNCTIONS, _PRE, _POST):
+            m.__dict__.pop(name, None)
