@@ -5,6 +5,7 @@ import logging
 import threading
 
 import deepspeed
+import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from . import compat
@@ -12,6 +13,7 @@ from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
+from .zero import stage3_counters
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")
     trains = optimizer is not None or "optimizer" in config
     refuse_parameters_of_live_engine(model, trains, "deepspeed_multi.initialize")
+    if zero_stage(config) == 3 and isinstance(model, torch.nn.Module):
+        stage3_counters.forget(model)  # left by an engine dropped without destroy(): not this one's to reuse
 
     kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,

@@ -18,7 +18,10 @@ What each mistake meets (README "Failure and recovery" lists upstream's behaviou
   by the MultiEngine itself when the outer engine first runs it (:func:`install_outer_engine_guard`).
 * a trainable engine built over parameters that a ZeRO-2/3 MultiEngine, not destroyed, trains:
   refused at initialize (:func:`refuse_parameters_of_live_engine`); the old engine's gradient
-  hooks would run in the new one's backward ([Note: destroy() hands the module back]).
+  hooks would run in the new one's backward ([Note: destroy() hands the module back]). Any engine
+  built over a module that a ZeRO-3 MultiEngine (trained or not), not destroyed, still hooks:
+  refused too; its hooks would gather and release the parameters inside the new one's forward
+  (upstream fails in ZeRO-3's trace: "IndexError: pop from an empty deque").
 * ``requires_grad`` changed on a parameter after initialize: refused at the next update
   (:func:`check_requires_grad_unchanged`, one pass over the parameters per update); the
   optimizer and ZeRO's partitions were built for the parameters that required grad then.
@@ -30,6 +33,7 @@ What each mistake meets (README "Failure and recovery" lists upstream's behaviou
   engines reached on some ranks only; skip groups (skip_group.py) keep fp16 overflows in one
   engine isolated or shared as configured.
 """
+import functools
 import gc
 import weakref
 
@@ -90,20 +94,31 @@ def refuse_engine_as_model(model, where: str) -> None:
 _TRAINED_BY = WeakIdKeyDictionary()
 
 
+# Each submodule of a ZeRO-3 MultiEngine's module -> a weak reference to that engine, whose ZeRO-3
+# hooks are on it until destroy(); trained or not (DeepSpeed's own hooks keep an engine that was
+# dropped without destroy() alive as long as its module).
+_ZERO3_HOOKED = WeakIdKeyDictionary()
+
+
 def claim_parameters(engine) -> None:
-    """At initialize: ``engine`` trains its trainable parameters (see :func:`refuse_parameters_of_live_engine`)."""
+    """At initialize: ``engine`` trains its trainable parameters and, at ZeRO-3, hooks its module's
+    submodules (see :func:`refuse_parameters_of_live_engine`)."""
+    owner = weakref.ref(engine)
     if engine.trains:
-        owner = weakref.ref(engine)
         for p in engine._trainable_params:
             _TRAINED_BY[p] = owner
+    if engine.zero_optimization_stage() == 3:
+        for m in engine.module.modules():
+            _ZERO3_HOOKED[m] = owner
 
 
 def release_parameters(engine) -> None:
-    """``engine.destroy()``: its parameters are free for a new engine."""
-    for p in engine._trainable_params:
-        ref = _TRAINED_BY.get(p)
-        if ref is not None and ref() is engine:
-            del _TRAINED_BY[p]
+    """``engine.destroy()``: its parameters and modules are free for a new engine."""
+    for registry, keys in ((_TRAINED_BY, engine._trainable_params), (_ZERO3_HOOKED, engine.module.modules())):
+        for key in keys:
+            ref = registry.get(key)
+            if ref is not None and ref() is engine:
+                del registry[key]
 
 
 def refuse_parameters_of_live_engine(model, trains: bool, where: str) -> None:
@@ -113,31 +128,47 @@ def refuse_parameters_of_live_engine(model, trains: bool, where: str) -> None:
     run in the new engine's backward: a ZeRO-3 owner fails there, a ZeRO-2 owner under a ZeRO-1
     engine changes its updates silently (measured: 6.5e-2 off after two SGD steps). ZeRO-0/1
     owners do nothing in backward that a new engine notices, so those are left as upstream has them.
+    Any new engine, trained or not, over submodules that a ZeRO-3 engine still hooks is refused too.
     """
-    if not trains or not isinstance(model, torch.nn.Module):
+    if not isinstance(model, torch.nn.Module):
         return
-    owners = _live_zero23_owners(model)
+    find = functools.partial(_live_owners, model, trains)
+    owners = find()
     if owners:
         gc.collect()  # an engine dropped without destroy() lives until its reference cycles are collected
-        owners = _live_zero23_owners(model)
+        owners = find()
     if owners:
-        name, owner = next(iter(owners.items()))
+        (kind, name), owner = next(iter(owners.items()))
+        what = (f"parameter {name!r} of {type(model).__name__} is still trained by" if kind == "parameter" else
+                f"{type(model).__name__}{f' (submodule {name!r})' if name else ''} is still hooked by")
+        hooks = ("gradient hooks would run in this engine's backward" if kind == "parameter" else
+                 "ZeRO-3 hooks would gather and release the parameters inside this engine's forward and backward")
         raise RuntimeError(
-            f"{where}: parameter {name!r} of {type(model).__name__} is still trained by a MultiEngine "
-            f"({owner._engine_name()}, ZeRO stage {owner.zero_optimization_stage()}) that was not destroyed; its "
-            "gradient hooks would run in this engine's backward too. Call that engine's destroy() first (Accelerate's "
-            "free_memory() does, as does the start of Trainer.train()), then build this one.")
+            f"{where}: {what} a MultiEngine ({owner._engine_name()}, ZeRO stage {owner.zero_optimization_stage()}, "
+            f"{'trained' if owner.trains else 'inference-only'}) that was not destroyed; its {hooks} too. Call "
+            "that engine's destroy() first (Accelerate's free_memory() does, as does the start of Trainer.train()), "
+            "then build this one.")
 
 
-def _live_zero23_owners(model) -> dict:
+def _live_owners(model, trains: bool) -> dict:
+    """``{("parameter" | "module", name): live engine}``: the ZeRO-2/3 engines training ``model``'s
+    parameters (when the new engine trains) and the ZeRO-3 engines hooking its submodules."""
     found = {}
-    for name, p in model.named_parameters():
-        ref = _TRAINED_BY.get(p) if p.requires_grad else None
-        owner = ref() if ref is not None else None
-        if (owner is not None and owner._state is not TrainingState.DESTROYED
-                and owner.zero_optimization_stage() >= 2):
-            found[name] = owner
+    if trains:
+        for name, p in model.named_parameters():
+            owner = _live(_TRAINED_BY.get(p) if p.requires_grad else None)
+            if owner is not None and owner.zero_optimization_stage() >= 2:
+                found["parameter", name] = owner
+    for name, m in model.named_modules():
+        owner = _live(_ZERO3_HOOKED.get(m))
+        if owner is not None:
+            found["module", name] = owner
     return found
+
+
+def _live(ref):
+    owner = ref() if ref is not None else None
+    return owner if owner is not None and owner._state is not TrainingState.DESTROYED else None
 
 
 def install_outer_engine_guard(engine) -> None:

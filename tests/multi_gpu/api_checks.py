@@ -682,7 +682,8 @@ def destroy_then_rebuild(stage):
     module trains bit-equal to a new engine over a fresh module holding the same values (fp32: and
     equal to plain PyTorch across both engines, 1e-5). A trainable engine over the parameters of a
     ZeRO-2/3 engine not destroyed is refused at initialize; over a ZeRO-1 engine's it is not (exact),
-    nor over a deepcopy of a live ZeRO-2 engine's module."""
+    nor over a deepcopy of a live ZeRO-2 engine's module. Any engine over a module an inference-only
+    ZeRO-3 engine still hooks is refused until that one's destroy()."""
     for dtype in ("fp32", "bf16"):
         what = f"ZeRO-{stage} {dtype}"
         model, ref = MLP(seed=1), MLP(seed=1)
@@ -708,6 +709,8 @@ def destroy_then_rebuild(stage):
                 x, y = _batch(step)
                 loss = ((e(x) - y)**2).mean()
                 loss.backward()
+                if step == 3:  # read between backward and step: nothing the destroyed engine armed is left active
+                    _gathered(e.module)
                 e.step()
                 losses.append(loss.detach())
             assert torch.equal(*losses), f"{what}: step {step} loss {losses[0]} vs fresh module's {losses[1]}"
@@ -738,12 +741,21 @@ def destroy_then_rebuild(stage):
                           f"ZeRO-{stage} over a live ZeRO-1 engine's module")
             new.destroy()
         else:
-            expect_error(RuntimeError, build, f"ZeRO stage {old_stage}) that was not destroyed")
+            expect_error(RuntimeError, build, f"ZeRO stage {old_stage}, trained) that was not destroyed")
         if old_stage == 2:  # a copy of the module is not the live engine's: built
             twin = copy.deepcopy(model)
             deepspeed_multi.initialize(model=twin, optimizer=torch.optim.SGD(twin.parameters(), lr=0.1),
                                        config=ds_config(stage))[0].destroy()
         old.destroy()
+    model = MLP(seed=1)  # an inference-only ZeRO-3 engine hooks the module: any engine over it waits for destroy()
+    frozen = deepspeed_multi.initialize(model=model, config=ds_config(3))[0]
+    frozen(_batch(0)[0])
+    for trains in (False, True):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1) if trains else None
+        build = functools.partial(deepspeed_multi.initialize, model=model, optimizer=opt, config=ds_config(stage))
+        expect_error(RuntimeError, build, "ZeRO stage 3, inference-only) that was not destroyed")
+    frozen.destroy()
+    deepspeed_multi.initialize(model=model, config=ds_config(stage))[0].destroy()
 
 
 def _assert_nothing_of_ours(module, what):
@@ -752,6 +764,8 @@ def _assert_nothing_of_ours(module, what):
         for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
             ours = [h for h in getattr(m, kind).values() if getattr(h, "__module__", "").startswith("deepspeed_multi")]
             assert not ours, f"{what}: {name or 'the module'} keeps {kind} {ours}"
+        zero3 = [a for a in ("pre_bwd_fn", "post_bwd_fn") if a in vars(m)]
+        assert not zero3, f"{what}: {name or 'the module'} keeps ZeRO-3's {zero3}, bound to the destroyed engine"
     for name, p in module.named_parameters():
         left = [a for a in vars(p) if a.startswith("_dsm")] + list((p._post_accumulate_grad_hooks or {}).values())
         assert not left, f"{what}: parameter {name} keeps {left}"
