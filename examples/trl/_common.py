@@ -11,7 +11,7 @@ vocabulary, so nothing is downloaded. The task is learnable in a few steps: sequ
 upwards (``w7 w8 w9 ...``).
 """
 import argparse
-import gc
+import functools
 import os
 import sys
 
@@ -24,6 +24,7 @@ if ROOT not in sys.path:
 VOCAB = 64  # w3 .. w63, plus <pad> <s> </s>
 
 
+@functools.lru_cache(maxsize=None)
 def _hf_common():
     """examples/hf/_common.py, whose environment set-up these examples share."""
     import importlib.util
@@ -136,15 +137,9 @@ def trend(key, falls=True):
 
 
 def end(trainer):
-    """Destroy the process group before exiting: a gloo job whose groups are alive when Python exits can
-    die in std::terminate after finishing its work (pytorch/pytorch#190489; docs/failure_and_recovery.md).
-    The ranks first wait for each other (rank 0 may still be writing the saved model) and the engines
-    are destroyed, so that no rank tears its groups down under a peer's collective and nothing of the
-    engines' is left for the interpreter's finalization to free."""
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.free_memory()
-    gc.collect()
-    trainer.accelerator.end_training()
+    """examples/hf/_common.end for the Trainer's Accelerator (rank 0 may still be writing the saved
+    model when the others get there)."""
+    _hf_common().end(trainer.accelerator)
 
 
 def watch(trainer, key, falls=True):
