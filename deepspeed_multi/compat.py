@@ -278,6 +278,17 @@ def noncontiguous_zero12_ok(version: Optional[str] = None) -> bool:
     return _version_tuple(version or installed_version())[:3] >= NONCONTIGUOUS_ZERO12_FROM
 
 
+# A universal checkpoint (resize.py: a resume at another world size) loaded into a bf16/fp16 engine
+# below ZeRO-3 gives it wrong parameters on 0.19.4 (measured at ZeRO-1/2, with and without
+# round_robin_gradients: up to 0.98 from the saved values; fp32 and ZeRO-3 are right there); right on
+# 0.19.8; 0.19.5-0.19.7 not measured. Refused below this release (resize.load_universal).
+UNIVERSAL_16BIT_BELOW_ZERO3_FROM = (0, 19, 8)
+
+
+def universal_16bit_below_zero3_ok(version: Optional[str] = None) -> bool:
+    return _version_tuple(version or installed_version())[:3] >= UNIVERSAL_16BIT_BELOW_ZERO3_FROM
+
+
 # CPU offload (offload_optimizer / offload_param) under unmanaged accumulation, which every
 # MultiEngine uses: DeepSpeed 0.19.4 refuses it ("managed_gradient_accumulation=False is not
 # supported with ZeRO optimizer state offload"); 0.19.5 accepts it; 0.19.8 is measured exact (the

@@ -84,6 +84,14 @@ def convert(path, names, target):
 def load_universal(engine, root, name):
     """``engine.load_checkpoint(root, tag=name)`` from the universal form, the engine's universal
     switch on for this call alone. Returns what load_checkpoint returns."""
+    from . import compat
+    sixteen = engine.bfloat16_enabled() or engine.fp16_enabled()
+    if sixteen and engine.zero_optimization_stage() < 3 and not compat.universal_16bit_below_zero3_ok():
+        raise RuntimeError(
+            f"deepspeed_multi: resuming engine {name!r} (ZeRO stage {engine.zero_optimization_stage()}, "
+            f"{'bf16' if engine.bfloat16_enabled() else 'fp16'}) at another world size loads DeepSpeed's universal "
+            f"checkpoint, which gives it wrong parameters with DeepSpeed {compat.installed_version()} (measured on "
+            "0.19.4; right on 0.19.8). Install deepspeed==0.19.8, or resume on the number of ranks it was saved on.")
     config = engine._config
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True

@@ -769,3 +769,51 @@ def _assert_nothing_of_ours(module, what):
     for name, p in module.named_parameters():
         left = [a for a in vars(p) if a.startswith("_dsm")] + list((p._post_accumulate_grad_hooks or {}).values())
         assert not left, f"{what}: parameter {name} keeps {left}"
+
+
+def round_robin_fp32_links(path):
+    """zero/stage12_round_robin.py: [Note: round-robin fp32 links]. ZeRO-1/2, fp32/bf16/fp16, with
+    ``round_robin_gradients``: every parameter's fp32 master as DeepSpeed's API reads it
+    (``safe_get_full_fp32_param``) is its own (the 16-bit parameter is that master rounded), its AdamW
+    state and master equal to an engine without round robin, trained on the same batches (bit-equal:
+    two ranks sum in any order exactly); and a universal checkpoint of it, loaded into an engine without
+    round robin, gives that engine its parameters. Upstream: another parameter's values, up to 1.9 off."""
+    import os
+
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from deepspeed_multi import compat, resize
+    for stage in (1, 2):
+        for dtype in ("fp32", "bf16", "fp16"):
+            what = f"ZeRO-{stage} {dtype} round_robin_gradients"
+            rr, plain = (_adamw_engine(ds_config(stage, dtype, zero_optimization={"round_robin_gradients": on}))
+                         for on in (True, False))
+            assert rr.optimizer.round_robin_gradients, what
+            _train(rr, 2)
+            _train(plain, 2)
+            if rr.skipped_steps or plain.skipped_steps:  # fp16: the first scales may overflow, alike in both
+                assert rr.skipped_steps == plain.skipped_steps, f"{what}: skipped steps differ"
+            named = {n: (p, q) for (n, p), q in zip(rr.module.named_parameters(), plain.module.parameters())}
+            for n, (p, q) in named.items():
+                master, want = safe_get_full_fp32_param(p), safe_get_full_fp32_param(q)
+                assert torch.equal(master.to(p.dtype), p.detach()), f"{what}: {n}'s fp32 master is not its own"
+                assert torch.equal(master, want), f"{what}: {n}'s fp32 master is not the one without round robin"
+                for key in ("exp_avg", "exp_avg_sq"):
+                    got, ref = safe_get_full_optimizer_state(p, key), safe_get_full_optimizer_state(q, key)
+                    assert torch.equal(got, ref), f"{what}: {n}'s {key} differs from the engine without round robin"
+            if dtype != "bf16":
+                continue
+            rr.save_checkpoint(os.path.join(path, f"rr{stage}"), tag="t")
+            dist.barrier()
+            if dist.get_rank() == 0:
+                why = resize.convert(os.path.join(path, f"rr{stage}"), ["t"], os.path.join(path, f"universal{stage}"))
+                assert why is None, why
+            dist.barrier()
+            loaded = _adamw_engine(ds_config(stage, dtype))
+            load = functools.partial(resize.load_universal, loaded, os.path.join(path, f"universal{stage}"), "t")
+            if not compat.universal_16bit_below_zero3_ok():  # wrong there, round robin or not: refused
+                expect_error(RuntimeError, load, "gives it wrong parameters")
+                continue
+            load()
+            got, want = full_params(loaded), full_params(rr)
+            assert all(torch.equal(got[n], want[n]) for n in want), f"{what}: the universal checkpoint's values"

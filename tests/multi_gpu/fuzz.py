@@ -196,7 +196,7 @@ def _draw_knobs(rng, stage, profile) -> dict:
             zero["contiguous_gradients"] = True
     if stage >= 2:  # refused at ZeRO-1 (docs/limits.md)
         zero["overlap_comm"] = rng.random() < 0.5
-    if stage in (1, 2) and profile == "fp32":  # refused with 16-bit (deepspeed_multi/config.py)
+    if stage in (1, 2) and profile == "fp32":  # bf16: drawn in _draw_more_knobs (the draws here stay as recorded)
         zero["round_robin_gradients"] = rng.random() < 0.3
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=rng.choice([0, 0, 64, 100_000]),
@@ -224,6 +224,8 @@ def _draw_more_knobs(rng, engine, profile):
             top["data_types"] = {"grad_accum_dtype": "fp32"}
         if rng.random() < 0.3:
             top["communication_data_type"] = "fp32"
+        if stage in (1, 2) and rng.random() < 0.3:  # zero/stage12_round_robin.py
+            zero["round_robin_gradients"] = True
 
 
 def _draw_expr(rng, n, depth):

@@ -36,6 +36,11 @@ def test_destroy_hands_the_module_back(stage):
     run_distributed(checks.destroy_then_rebuild, stage)
 
 
+def test_round_robin_fp32_links(tmp_path):
+    """deepspeed_multi/zero/stage12_round_robin.py: [Note: round-robin fp32 links]."""
+    run_distributed(checks.round_robin_fp32_links, str(tmp_path))
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.parametrize("shared", [0, 1], ids=["one-rank-only", "both-accumulated"])
 def test_ranks_disagree_refused(stage, shared):

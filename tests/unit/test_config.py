@@ -27,15 +27,6 @@ def test_stage1_overlap_comm_refused_with_fix():
         prepare_engine_config({"zero_optimization": {"stage": 1, "overlap_comm": True}})
 
 
-@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (2, "fp16"), (2, "bf16")])
-def test_round_robin_with_16bit_refused_with_fix(stage, dtype):
-    cfg = {"zero_optimization": {"stage": stage, "round_robin_gradients": True}, dtype: {"enabled": True}}
-    with pytest.raises(ValueError, match=f"round_robin_gradients=true with {dtype} at ZeRO stage {stage}.*false"):
-        prepare_engine_config(cfg)
-    ok = {"zero_optimization": {"stage": stage, "round_robin_gradients": True}}  # fp32: exact (fuzzed)
-    prepare_engine_config(ok)
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_noncontiguous_zero12_refused_on_releases_that_get_it_wrong(monkeypatch, stage):
     from deepspeed_multi import compat
@@ -91,3 +82,28 @@ def test_direct_use_check_updates_default_and_bad_values():
     for bad in (-2, 1.5, True, "1", None):
         with pytest.raises(ValueError, match=r"direct_use_check_updates must be an integer >= -1.*got"):
             MultiOptions.from_config({"deepspeed_multi": {"direct_use_check_updates": bad}})
+
+
+@pytest.mark.parametrize("stage,dtype,refused", [(1, "bf16", True), (2, "fp16", True), (0, "bf16", True),
+                                                 (3, "bf16", False), (2, "fp32", False)])
+def test_universal_load_of_16bit_below_zero3_refused_on_releases_that_get_it_wrong(monkeypatch, stage, dtype, refused):
+    """deepspeed_multi/resize.py: a resume at another world size, which DeepSpeed 0.19.4 gets wrong there."""
+    import types
+
+    from deepspeed_multi import compat, resize
+    loads = []
+    engine = types.SimpleNamespace(
+        bfloat16_enabled=lambda: dtype == "bf16", fp16_enabled=lambda: dtype == "fp16",
+        zero_optimization_stage=lambda: stage, _config=types.SimpleNamespace(load_universal_checkpoint=False),
+        load_checkpoint=lambda root, tag: loads.append((root, tag)) or ("path", {}))
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.19.4")
+    if refused:
+        with pytest.raises(RuntimeError, match=f"engine 'enc' \\(ZeRO stage {stage}, {dtype}\\).*0.19.4.*0.19.8"):
+            resize.load_universal(engine, "/ckpt", "enc")
+        assert not loads
+    else:
+        resize.load_universal(engine, "/ckpt", "enc")
+        assert loads == [("/ckpt", "enc")]
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.19.8")
+    resize.load_universal(engine, "/ckpt", "enc")
+    assert loads[-1] == ("/ckpt", "enc") and engine._config.load_universal_checkpoint is False
