@@ -15,22 +15,24 @@ placeholders (NaN, silently, at bf16 ZeRO-3).
 
 So ``destroy()`` drains ZeRO-3's prefetch, takes all of ours off, rebuilds DeepSpeed's 16-bit
 partitions from the masters (the values DeepSpeed's layout holds: the new engine gets
-DeepSpeed's bits), and takes the engine out of the process-wide registries (watchdog, skip
-group, data-parallel groups, the parameters' owner) and, at ZeRO-3, drops the per-module backward functions that
-DeepSpeed creates once per module and its destroy() leaves bound to the old engine (zero/stage3_counters.forget);
-then DeepSpeed's destroy() runs. The
-engine refuses any use after, with an error that says to build a new one. An engine dropped without
-``destroy()`` gets DeepSpeed's part only, when it is garbage-collected (:func:`at_garbage_collection`).
+DeepSpeed's bits), takes the engine out of the process-wide registries (watchdog, skip group,
+data-parallel groups, the parameters' and modules' owner) and, at ZeRO-3, drops the backward
+functions DeepSpeed creates once per module and leaves bound to the old engine
+(``zero/stage3_counters.forget``); then DeepSpeed's destroy() runs. The engine refuses any use
+after, with an error that says to build a new one. An engine dropped without ``destroy()`` gets
+DeepSpeed's part only, when it is garbage-collected (:func:`at_garbage_collection`), which
+DeepSpeed's own forward hooks put off for as long as its module lives; until then a new engine
+over that module is refused where the old one's hooks would act in it (``reliability/misuse.py``).
 """
 import logging
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import zero
-from .zero import stage3_counters
 from .autograd import outside_use
 from .reliability import dp_groups, misuse, watchdog
 from .state import TrainingState
+from .zero import stage3_counters
 
 logger = logging.getLogger(__name__)
 

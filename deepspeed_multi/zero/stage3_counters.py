@@ -90,7 +90,8 @@ def rearm(added) -> None:
 
 
 def forget(module: torch.nn.Module) -> None:
-    """``engine.destroy()``: take ZeRO-3's per-module backward functions and counters off ``module``.
+    """At ``engine.destroy()`` and before a ZeRO-3 engine is built: take ZeRO-3's per-module
+    backward functions and counters off ``module``.
 
     ZeRO-3 creates a module's ``pre_bwd_fn``/``post_bwd_fn`` once ("not in module.__dict__"), as
     closures over the ``DeepSpeedZeRoOffload`` that created them, and its destroy() leaves them.
