@@ -793,8 +793,7 @@ def round_robin_fp32_links(path):
             _train(plain, 2)
             if rr.skipped_steps or plain.skipped_steps:  # fp16: the first scales may overflow, alike in both
                 assert rr.skipped_steps == plain.skipped_steps, f"{what}: skipped steps differ"
-            named = {n: (p, q) for (n, p), q in zip(rr.module.named_parameters(), plain.module.parameters())}
-            for n, (p, q) in named.items():
+            for (n, p), q in zip(rr.module.named_parameters(), plain.module.parameters()):
                 master, want = safe_get_full_fp32_param(p), safe_get_full_fp32_param(q)
                 assert torch.equal(master.to(p.dtype), p.detach()), f"{what}: {n}'s fp32 master is not its own"
                 assert torch.equal(master, want), f"{what}: {n}'s fp32 master is not the one without round robin"
