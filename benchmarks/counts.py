@@ -2,7 +2,8 @@
 
 On a GPU every collective and every kernel launch is a fixed latency, and every host sync stalls
 the launch queue, so these counts predict what the CPU box cannot time. One step is counted after
-two warm-up steps, on every rank, by a ``TorchDispatchMode`` that sees every operator below
+three warm-up steps (ZeRO-3 records its trace in the first two; the third is the first joined
+fetch's, whose parameter set the ranks compare once: zero/stage3_joined_fetch.py), on every rank, by a ``TorchDispatchMode`` that sees every operator below
 autograd (forward, backward and the optimizer), including ``c10d`` collectives:
 
 * collectives: ``c10d`` operators, by kind, and the bytes of each one's whole buffer (the
@@ -113,7 +114,7 @@ class _StoreMeetings:
         self.cls.meet = self.original
 
 
-def count_step(step, warmup=2) -> dict:
+def count_step(step, warmup=3) -> dict:
     """Run ``step(i)`` ``warmup`` times, then count one step; the counts of this rank."""
     for i in range(warmup):
         step(i)
@@ -192,7 +193,7 @@ def main():
         [[r["workload"], r["stages"], r["n"], r["variant"], r["collectives"],
           " ".join(f"{k}:{v}" for k, v in sorted(r["by_kind"].items())), f"{r['collective_mb']:.2f}", r["ops"],
           r["host_syncs"], r["store_meetings"], f"{r['allocated_mb']:.1f}"] for r in rows])
-    print(f"\nOne training step after 2 warm-up steps, 2 ranks on {B.device().type}, max over ranks\n")
+    print(f"\nOne training step after 3 warm-up steps, 2 ranks on {B.device().type}, max over ranks\n")
     print(table)
     eight = {r["variant"]: r["collectives"] for r in rows
              if r["workload"] == "towers chained" and r["n"] == 8 and r["stages"] == "alt"}

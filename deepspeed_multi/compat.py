@@ -124,6 +124,11 @@ FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
                                     "_restore_from_bit16_weights", "_rigid_load_state_dict",
                                     "load_hp_checkpoint_state_from_checkpoint_dir_stage3",
                                     "load_module_checkpoint_state_from_checkpoint_dir_stage3")),
+    # the start of forward it extends, and the fetch and release that take its gathered parameters as their own
+    "stage3_joined_fetch": ("PartitionedParameterCoordinator",
+                            ("reset_step", "_fetch_sub_module_impl", "release_sub_module",
+                             "_PartitionedParameterCoordinator__release_param",
+                             "_PartitionedParameterCoordinator__all_gather_params_")),
     # its gathers and writes: every reader and writer of ds_tensor in deepspeed.zero.Init
     "stage3_cast_on_gather_init": ("Init", ("_convert_to_deepspeed_param", "_all_gather", "_partition",
                                             "_partition_param", "_allgather_param", "_allgather_params_coalesced",

@@ -21,6 +21,7 @@ stage12_hook_count     1, 2        the per-backward used-parameter count in Deep
 stage3_grad_view       3           the flattened copy of the fp32 gradient before each sub-group step
 stage3_lazy_grads      3           the gradient partition buffer held from construction to the end
 stage3_cast_on_gather  3           the bf16/fp16 parameter partition beside the fp32 master (cast at each gather)
+stage3_joined_fetch    3           each engine's own first all-gather of a forward (one for several engines)
 stage12_grad_view      1, 2        the flattened copy of the gradient partition before the update
 stage12_overflow       1, 2        the overflow flag's all-reduce (the norm's all-reduce decides)
 stage3_partition       3           one copy/add per parameter after the reduce-scatter (fused_reduce)
@@ -43,9 +44,9 @@ import logging
 
 from .. import ops
 from ..switches import FUSED_ZERO, switch_on
-from . import (bucket_size, master_alias, offload_grads, stage3_cast_on_gather, stage3_grad_view, stage3_lazy_grads,
-               stage3_partition, stage3_predivide, stage3_scatter, stage12_bucket_pack, stage12_grad_view,
-               stage12_hook_count, stage12_overflow, stage12_reduce, stage12_round_robin)
+from . import (bucket_size, master_alias, offload_grads, stage3_cast_on_gather, stage3_grad_view, stage3_joined_fetch,
+               stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_scatter, stage12_bucket_pack,
+               stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce, stage12_round_robin)
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
@@ -65,7 +66,7 @@ def install(optimizer, fused_reduce: bool) -> dict:
     done.update(master_alias.install(optimizer))
     # after stage3_lazy_grads, whose offload_states then restores its buffer before this one's
     done[stage3_cast_on_gather.FEATURE] = stage3_cast_on_gather.install(optimizer)
-    for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow):
+    for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow, stage3_joined_fetch):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})
     return done
@@ -74,6 +75,7 @@ def install(optimizer, fused_reduce: bool) -> dict:
 def hand_back(optimizer) -> None:
     """``engine.destroy()``: undo what the fast paths changed outside ``optimizer`` (on the module's
     parameters), so that a new engine over the module starts from DeepSpeed's state."""
+    stage3_joined_fetch.forget(optimizer)
     stage3_cast_on_gather.hand_back(optimizer)
 
 

@@ -12,6 +12,7 @@ every forward of a frozen engine (it has no step(); e.g. its output used detache
 GatheredParameters), and the end of a backward through a frozen engine. A backward that follows
 re-gathers what it needs.
 """
+from . import stage3_joined_fetch
 
 
 def drain(engine) -> None:
@@ -19,3 +20,4 @@ def drain(engine) -> None:
     if engine.zero_optimization_stage() == 3:
         offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
         offload.get_param_coordinator()._clean_inflight_param_registry()
+        stage3_joined_fetch.release_pending(engine.optimizer)  # [Note: one fetch for several engines' forwards]

@@ -1,0 +1,127 @@
+"""Several ZeRO-3 engines' first forward fetches as one all-gather (zero/stage3_joined_fetch.py).
+
+Each program trains its engines twice on the same batches in the same ranks: with the joined
+fetch and with each engine fetching its own (``DSM_ZERO3_JOINED_FETCH=0`` at construction).
+After every step every parameter (the fp32 masters of bf16 engines) must be bit-equal between
+the two, the joins must have happened where the engines' shares fit one prefetch bucket, and
+none where they do not. The programs reach what the join has to get right: chained and parallel
+wiring, a ZeRO-2 engine between ZeRO-3 ones, bf16 beside fp32 (one collective per dtype), an
+inference-only engine, gradient accumulation, prefetch buckets too small to join, a predicted
+engine not called in a round (its share released, then called again), parameters read with
+``GatheredParameters`` between two engines' forwards of a round, and an engine destroyed while
+the others go on.
+"""
+import copy
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+import deepspeed_multi
+from deepspeed_multi import compat
+from deepspeed_multi.zero import stage3_joined_fetch
+from common import MLP, ds_config, full_params
+from harness import run_distributed
+
+BIG = {"stage3_prefetch_bucket_size": 100_000}  # room for every engine's share
+SMALL = {}  # common.ds_config's 64 elements: less than one engine's share, so nothing joins
+
+# name: (engines as (stage, dtype, trains, zero options), wiring, gas, steps, joins expected)
+PROGRAMS = {
+    "chained-fp32": ([(3, "fp32", True, BIG), (2, "fp32", True, {}), (3, "fp32", True, BIG), (3, "fp32", True, BIG)],
+                     "chained", 1, 5, True),
+    "parallel-fp32-bf16-gas2": ([(3, "fp32", True, BIG), (3, "bf16", True, BIG), (3, "bf16", True, BIG)],
+                                "parallel", 2, 6, True),
+    "frozen-teacher": ([(3, "fp32", False, BIG), (3, "fp32", True, BIG), (3, "fp32", True, BIG)], "chained", 1, 5, True),
+    "buckets-too-small": ([(3, "fp32", True, SMALL), (3, "fp32", True, SMALL)], "chained", 1, 4, False),
+}
+SKIPPED_AT, READ_AT, DESTROYED_AT = 2, 3, 4  # steps of the twists (chained programs)
+
+
+def _engines(specs, gas, joined):
+    engines = []
+    for k, (stage, dtype, trains, zero) in enumerate(specs):
+        model = MLP(d_in=8, d_hidden=32, d_out=8, seed=k)
+        cfg = ds_config(stage, dtype, gas=gas, zero_optimization=zero)
+        with mock.patch.dict(os.environ, {"DSM_ZERO3_JOINED_FETCH": "1" if joined else "0"}):
+            if trains:
+                opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+                engines.append(deepspeed_multi.initialize(model=model, optimizer=opt, config=cfg)[0])
+            else:
+                model.requires_grad_(False)
+                engines.append(deepspeed_multi.initialize(model=model, config=cfg)[0])
+        offload = getattr(engines[-1].optimizer, "parameter_offload", engines[-1].optimizer)
+        if stage == 3:
+            assert compat.installed(offload.get_param_coordinator(), stage3_joined_fetch.FEATURE) == joined
+    return engines
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(31 * step + dist.get_rank())
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+def _run(specs, wiring, gas, steps, joined):
+    """Train; return before each step and at the end the parameters of every live engine, and what
+    GatheredParameters read between two forwards of a round."""
+    engines = _engines(specs, gas, joined)
+    live = list(range(len(engines)))
+    target = [k for k in live if specs[k][0] == 3][1]  # the twists' engine: a ZeRO-3 engine that is not first
+    seen = []
+    for step in range(steps):
+        # Reading the skipped engine's parameters would release (partition) what the last round gathered
+        # for it: that share is left for the next round's start to release.
+        unread = target if step == SKIPPED_AT + 1 else None
+        seen.append(({k: full_params(engines[k]) for k in live if k != unread}, None))
+        x, y = _batch(step)
+        called = [k for k in live if not (wiring == "chained" and step == SKIPPED_AT and k == target)]
+        outs = []
+        for k in called:
+            if wiring == "chained" and step == READ_AT and k == target:
+                with deepspeed.zero.GatheredParameters(list(engines[k].module.parameters())):
+                    seen[-1] = (seen[-1][0], [p.detach().clone() for p in engines[k].module.parameters()])
+            outs.append(engines[k](x if wiring == "parallel" or not outs else outs[-1]))
+        loss = ((outs[-1] - y)**2).mean() if wiring == "chained" else sum(((o - y)**2).mean() for o in outs)
+        loss.backward()
+        for k in called:
+            if specs[k][2] and (step + 1) % gas == 0:
+                engines[k].step()
+        if wiring == "chained" and step == DESTROYED_AT - 1 and target in live:
+            engines[target].destroy()
+            live.remove(target)
+    seen.append(({k: full_params(engines[k]) for k in live}, None))
+    for k in live:
+        engines[k].destroy()
+    return seen
+
+
+def _check(name):
+    specs, wiring, gas, steps, expect_joins = PROGRAMS[name]
+    before = dict(stage3_joined_fetch.STATS)
+    ours = _run(specs, wiring, gas, steps, joined=True)
+    joins, released = (stage3_joined_fetch.STATS[k] - before.get(k, 0) for k in ("joins", "released"))
+    theirs = _run(specs, wiring, gas, steps, joined=False)
+    assert stage3_joined_fetch.STATS["joins"] - before.get("joins", 0) == joins, "an engine built with the switch off joined"
+    assert (joins > 0) == expect_joins, f"{name}: {joins} joined fetches"
+    if expect_joins and wiring == "chained":  # the skipped engine's share was gathered, then released
+        assert released > 0, f"{name}: nothing gathered for the skipped engine was released"
+    for step, ((a, read_a), (b, read_b)) in enumerate(zip(ours, theirs)):
+        assert a.keys() == b.keys()
+        for k in a:
+            for n in a[k]:
+                assert torch.equal(a[k][n], b[k][n]), f"{name}: step {step}, engine {k}'s {n} differs from its own fetches'"
+        assert (read_a is None) == (read_b is None)
+        for u, v in zip(read_a or (), read_b or ()):
+            assert torch.equal(u, v), f"{name}: step {step}: GatheredParameters between two forwards read other values"
+
+
+def _all():
+    for name in PROGRAMS:
+        _check(name)
+
+
+def test_joined_fetch_gives_each_engines_own_bits():
+    run_distributed(_all)
