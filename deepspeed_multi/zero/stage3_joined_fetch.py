@@ -178,7 +178,8 @@ def reset_step(self) -> None:
 def coordinator_of(optimizer):
     """The ZeRO-3 parameter coordinator behind ``optimizer`` (trained or inference-only), or None."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-    offload = optimizer if isinstance(optimizer, DeepSpeedZeRoOffload) else getattr(optimizer, "parameter_offload", None)
+    offload = (optimizer if isinstance(optimizer, DeepSpeedZeRoOffload) else
+               getattr(optimizer, "parameter_offload", None))
     return None if offload is None else offload.get_param_coordinator()
 
 

@@ -147,6 +147,12 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = Fa
     buckets = random.Random(f"buckets-{seed}")
     for e in engines:
         e["bucket"] = buckets.choice([64, 4096])
+    # ZeRO-3 prefetch buckets with room for several engines' parameters, so that their first fetches
+    # of a forward are joined (zero/stage3_joined_fetch.py); a stream of its own, as the buckets'.
+    fetch = random.Random(f"fetch-{seed}")
+    for e in engines:
+        if e["stage"] == 3 and fetch.random() < 0.6:
+            e["prefetch"] = 100_000
     if knobs:
         for i, e in enumerate(engines):
             e["knobs"] = _draw_knobs(random.Random(f"knobs-{seed}-{i}"), e["stage"], profile)
@@ -246,6 +252,7 @@ def _draw_expr(rng, n, depth):
 def describe(spec) -> str:
     engines = ", ".join(f"e{i}: ZeRO-{e['stage']} gas {e['gas']} {'trained' if e['trains'] else 'frozen'} "
                         f"{e['out']}{' tied' if e['tied'] else ''} bucket {e.get('bucket', 64)}"
+                        + (f" prefetch {e['prefetch']}" if "prefetch" in e else "")
                         + (f" knobs {_knobs_str(e['knobs'])}" if "knobs" in e else "")
                         + (" parts {" + ", ".join(f"{n}: ZeRO-{s}" for n, s in e["parts"].items()) + "}"
                            if "parts" in e else "")
@@ -333,7 +340,8 @@ def build(spec) -> Scenario:
         build_fn = functools.partial(FuzzNet, seed=1000 * spec["seed"] + i, out=e["out"], tied=e["tied"])
         bucket = e.get("bucket", 64)
         cfg = ds_config(e["stage"], dtype, e["gas"], zero_optimization=dict(
-            reduce_bucket_size=bucket, allgather_bucket_size=bucket, stage3_prefetch_bucket_size=bucket))
+            reduce_bucket_size=bucket, allgather_bucket_size=bucket,
+            stage3_prefetch_bucket_size=e.get("prefetch", bucket)))
         if "knobs" in e:
             cfg.update(e["knobs"]["top"])
             cfg["zero_optimization"].update(e["knobs"]["zero"])

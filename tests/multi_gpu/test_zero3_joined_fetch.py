@@ -35,7 +35,8 @@ PROGRAMS = {
                      "chained", 1, 5, True),
     "parallel-fp32-bf16-gas2": ([(3, "fp32", True, BIG), (3, "bf16", True, BIG), (3, "bf16", True, BIG)],
                                 "parallel", 2, 6, True),
-    "frozen-teacher": ([(3, "fp32", False, BIG), (3, "fp32", True, BIG), (3, "fp32", True, BIG)], "chained", 1, 5, True),
+    "frozen-teacher": ([(3, "fp32", False, BIG), (3, "fp32", True, BIG), (3, "fp32", True, BIG)],
+                       "chained", 1, 5, True),
     "buckets-too-small": ([(3, "fp32", True, SMALL), (3, "fp32", True, SMALL)], "chained", 1, 4, False),
 }
 SKIPPED_AT, READ_AT, DESTROYED_AT = 2, 3, 4  # steps of the twists (chained programs)
@@ -104,7 +105,8 @@ def _check(name):
     ours = _run(specs, wiring, gas, steps, joined=True)
     joins, released = (stage3_joined_fetch.STATS[k] - before.get(k, 0) for k in ("joins", "released"))
     theirs = _run(specs, wiring, gas, steps, joined=False)
-    assert stage3_joined_fetch.STATS["joins"] - before.get("joins", 0) == joins, "an engine built with the switch off joined"
+    assert stage3_joined_fetch.STATS["joins"] - before.get("joins", 0) == joins, \
+        "an engine built with the switch off joined"
     assert (joins > 0) == expect_joins, f"{name}: {joins} joined fetches"
     if expect_joins and wiring == "chained":  # the skipped engine's share was gathered, then released
         assert released > 0, f"{name}: nothing gathered for the skipped engine was released"
@@ -112,7 +114,8 @@ def _check(name):
         assert a.keys() == b.keys()
         for k in a:
             for n in a[k]:
-                assert torch.equal(a[k][n], b[k][n]), f"{name}: step {step}, engine {k}'s {n} differs from its own fetches'"
+                assert torch.equal(a[k][n], b[k][n]), \
+                    f"{name}: step {step}, engine {k}'s {n} differs from its own fetches'"
         assert (read_a is None) == (read_b is None)
         for u, v in zip(read_a or (), read_b or ()):
             assert torch.equal(u, v), f"{name}: step {step}: GatheredParameters between two forwards read other values"
