@@ -273,9 +273,10 @@ def _gather_waiting_each(original):
     return gather
 
 
-# ZeRO-1/2 with contiguous_gradients=false gives wrong gradients on 0.19.4 (measured, upstream too:
-# max error 4e-2 against plain PyTorch, single engine, gas 1 and 2, at both stages); right on
-# 0.19.8; 0.19.5-0.19.7 not measured. Refused below this release (config.prepare_engine_config).
+# ZeRO-1/2 with contiguous_gradients=false gives wrong gradients on 0.19.4-0.19.7 (measured, upstream
+# too: max error 4e-2 against plain PyTorch, single engine, gas 1 and 2, at both stages; the
+# knob-noncontiguous matrix rows on each release); right on 0.19.8. Refused below this release
+# (config.prepare_engine_config).
 NONCONTIGUOUS_ZERO12_FROM = (0, 19, 8)
 
 
@@ -284,10 +285,11 @@ def noncontiguous_zero12_ok(version: Optional[str] = None) -> bool:
 
 
 # A universal checkpoint (resize.py: a resume at another world size) loaded into a bf16/fp16 engine
-# below ZeRO-3 gives it wrong parameters on 0.19.4 (measured at ZeRO-1/2, with and without
+# below ZeRO-3 gives it wrong parameters on 0.19.4-0.19.6 (measured at ZeRO-1/2, with and without
 # round_robin_gradients: up to 0.98 from the saved values; fp32 and ZeRO-3 are right there); right on
-# 0.19.8; 0.19.5-0.19.7 not measured. Refused below this release (resize.load_universal).
-UNIVERSAL_16BIT_BELOW_ZERO3_FROM = (0, 19, 8)
+# 0.19.7 and 0.19.8 (bf16 and fp16, ZeRO-1/2, bit-equal, round robin too). Refused below this release
+# (resize.load_universal).
+UNIVERSAL_16BIT_BELOW_ZERO3_FROM = (0, 19, 7)
 
 
 def universal_16bit_below_zero3_ok(version: Optional[str] = None) -> bool:
@@ -296,9 +298,11 @@ def universal_16bit_below_zero3_ok(version: Optional[str] = None) -> bool:
 
 # CPU offload (offload_optimizer / offload_param) under unmanaged accumulation, which every
 # MultiEngine uses: DeepSpeed 0.19.4 refuses it ("managed_gradient_accumulation=False is not
-# supported with ZeRO optimizer state offload"); 0.19.5 accepts it; 0.19.8 is measured exact (the
-# knob-offload-* rows, the fuzzer, with zero/offload_grads.py); 0.19.5-0.19.7 not measured.
-# Refused below this release (config.prepare_engine_config).
+# supported with ZeRO optimizer state offload"); 0.19.5-0.19.7 accept it and pass the knob-offload-*
+# matrix rows, but give a bf16 ZeRO-1 engine with fp32 gradient accumulation and gas 2 a wrong update
+# (cosine 0.94 with plain PyTorch, fuzz seed 906350, knobs; 0.19.8 exact on it with every fast path
+# off too); 0.19.8 is measured exact (the knob-offload-* rows, the fuzzer, with
+# zero/offload_grads.py). Refused below this release (config.prepare_engine_config).
 OFFLOAD_FROM = (0, 19, 8)
 
 

@@ -57,15 +57,15 @@ def prepare_engine_config(config: dict):
     noncontiguous = config.get("zero_optimization", {}).get("contiguous_gradients") is False
     if stage in (1, 2) and noncontiguous and not compat.noncontiguous_zero12_ok():
         raise ValueError(f"deepspeed_multi: zero_optimization.contiguous_gradients=false at ZeRO stage {stage} gives "
-                         f"wrong gradients with DeepSpeed {compat.installed_version()} (measured on 0.19.4, upstream "
-                         "too; right on 0.19.8). Leave contiguous_gradients true, or install deepspeed==0.19.8.")
+                         f"wrong gradients with DeepSpeed {compat.installed_version()} (measured on 0.19.4-0.19.7, "
+                         "upstream too; right on 0.19.8). Leave contiguous_gradients true, or install deepspeed==0.19.8.")
     offloaded = [k for k in ("offload_optimizer", "offload_param")
                  if ((config.get("zero_optimization", {}).get(k) or {}).get("device") or "none") != "none"]
     if offloaded and stage >= 1 and not compat.offload_ok():
         raise ValueError(f"deepspeed_multi: zero_optimization.{offloaded[0]} (CPU/NVMe offload) needs DeepSpeed 0.19.8 "
                          f"here, found {compat.installed_version()}: deepspeed_multi runs DeepSpeed with unmanaged "
-                         "gradient accumulation, which 0.19.4 refuses with offload and 0.19.5-0.19.7 were not measured "
-                         "with. Install deepspeed==0.19.8, or remove the offload.")
+                         "gradient accumulation, which 0.19.4 refuses with offload and 0.19.5-0.19.7 get wrong with "
+                         "bf16 and fp32 gradient accumulation. Install deepspeed==0.19.8, or remove the offload.")
     return config, user_managed, options
 
 

@@ -91,7 +91,8 @@ def load_universal(engine, root, name):
             f"deepspeed_multi: resuming engine {name!r} (ZeRO stage {engine.zero_optimization_stage()}, "
             f"{'bf16' if engine.bfloat16_enabled() else 'fp16'}) at another world size loads DeepSpeed's universal "
             f"checkpoint, which gives it wrong parameters with DeepSpeed {compat.installed_version()} (measured on "
-            "0.19.4; right on 0.19.8). Install deepspeed==0.19.8, or resume on the number of ranks it was saved on.")
+            "0.19.4-0.19.6; right on 0.19.7 and 0.19.8). Install deepspeed==0.19.8, or resume on the number of ranks "
+            "it was saved on.")
     config = engine._config
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True

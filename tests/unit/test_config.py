@@ -87,7 +87,7 @@ def test_direct_use_check_updates_default_and_bad_values():
 @pytest.mark.parametrize("stage,dtype,refused", [(1, "bf16", True), (2, "fp16", True), (0, "bf16", True),
                                                  (3, "bf16", False), (2, "fp32", False)])
 def test_universal_load_of_16bit_below_zero3_refused_on_releases_that_get_it_wrong(monkeypatch, stage, dtype, refused):
-    """deepspeed_multi/resize.py: a resume at another world size, which DeepSpeed 0.19.4 gets wrong there."""
+    """deepspeed_multi/resize.py: a resume at another world size, which DeepSpeed 0.19.4-0.19.6 get wrong there."""
     import types
 
     from deepspeed_multi import compat, resize
@@ -98,12 +98,13 @@ def test_universal_load_of_16bit_below_zero3_refused_on_releases_that_get_it_wro
         load_checkpoint=lambda root, tag: loads.append((root, tag)) or ("path", {}))
     monkeypatch.setattr(compat, "installed_version", lambda: "0.19.4")
     if refused:
-        with pytest.raises(RuntimeError, match=f"engine 'enc' \\(ZeRO stage {stage}, {dtype}\\).*0.19.4.*0.19.8"):
+        with pytest.raises(RuntimeError, match=f"engine 'enc' \\(ZeRO stage {stage}, {dtype}\\).*0.19.4.*0.19.7"):
             resize.load_universal(engine, "/ckpt", "enc")
         assert not loads
     else:
         resize.load_universal(engine, "/ckpt", "enc")
         assert loads == [("/ckpt", "enc")]
-    monkeypatch.setattr(compat, "installed_version", lambda: "0.19.8")
-    resize.load_universal(engine, "/ckpt", "enc")
+    for version in ("0.19.7", "0.19.8"):
+        monkeypatch.setattr(compat, "installed_version", lambda: version)
+        resize.load_universal(engine, "/ckpt", "enc")
     assert loads[-1] == ("/ckpt", "enc") and engine._config.load_universal_checkpoint is False
