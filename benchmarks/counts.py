@@ -3,8 +3,9 @@
 On a GPU every collective and every kernel launch is a fixed latency, and every host sync stalls
 the launch queue, so these counts predict what the CPU box cannot time. One step is counted after
 three warm-up steps (ZeRO-3 records its trace in the first two; the third is the first joined
-fetch's, whose parameter set the ranks compare once: zero/stage3_joined_fetch.py), on every rank, by a ``TorchDispatchMode`` that sees every operator below
-autograd (forward, backward and the optimizer), including ``c10d`` collectives:
+fetch's, whose parameter set the ranks compare once: zero/stage3_joined_fetch.py), on every rank,
+by a ``TorchDispatchMode`` that sees every operator below autograd (forward, backward and the
+optimizer), including ``c10d`` collectives:
 
 * collectives: ``c10d`` operators, by kind, and the bytes of each one's whole buffer (the
   all-reduced tensor, the gathered output, the reduce-scattered input);

@@ -18,7 +18,7 @@ them AVAILABLE, does not gather them, and releases them as it releases its own (
 decides), so what is gathered is what it would have gathered, only earlier and in one collective.
 
 Values: an all-gather moves data (no arithmetic), so parameters are bitwise those of the
-engines' own fetches (asserted against ``DSM_ZERO3_JOINED_FETCH=0`` in test_zero3_step.py and
+engines' own fetches (asserted against ``DSM_ZERO3_JOINED_FETCH=0`` in test_zero3_joined_fetch.py and
 by the fuzzer, whose ZeRO-3 programs run with it). A prediction that does not come true (an
 engine of the previous round not called in this one) leaves that engine's share gathered until
 the next round starts, its ``step()``/``zero_grad()``/``destroy()`` (``stage3_prefetch.drain``),
@@ -29,8 +29,8 @@ never joined. Rounds follow the ranks' program order, which ZeRO-3 already requi
 forward's gather is a collective); ranks whose programs part ways fail in a collective here as
 they would in the engines' own gathers (gloo: sizes differ), not with mixed parameters.
 
-Joined: engines whose parameters are gathered by the default path (on the compute device, not
-NVMe, no hpZ secondary partition, no quantized weights) over the same process group; never
+Joined: engines whose parameters are gathered by the default path (not swapped out to NVMe, no
+hpZ secondary partition, no quantized weights) over the same process group; never
 inside a backward (a checkpointed forward). ``DSM_ZERO3_JOINED_FETCH=0`` turns it off.
 """
 from __future__ import annotations
