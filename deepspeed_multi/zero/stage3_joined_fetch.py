@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 FEATURE = "stage3_joined_fetch"
 _MANGLED = "_PartitionedParameterCoordinator__"
 _AGREED_KEPT = 64
-STATS = collections.Counter()  # "joins", "params", "released": for tests and benchmarks
+STATS = collections.Counter()  # "joins", "released": for tests
 
 
 class _Rounds:
@@ -65,15 +65,13 @@ class _Rounds:
         self.agreed = {}  # parameter set key -> whether the ranks agreed on it
 
     def forward_started(self, coordinator) -> None:
-        if coordinator in self.pending:
-            _hand_over(coordinator, self.pending.pop(coordinator))
-        elif not self.current or any(r() is coordinator for r in self.current):
-            self.last, self.current = self.current or self.last, []
+        if coordinator not in self.pending and (not self.current or any(r() is coordinator for r in self.current)):
+            self.last, self.current = self.current or self.last, []  # a new round
             self.release_pending()
             if len(self.last) > 1 and self.last[0]() is coordinator:
                 self._join([r() for r in self.last])
-                if coordinator in self.pending:
-                    _hand_over(coordinator, self.pending.pop(coordinator))
+        if coordinator in self.pending:
+            _hand_over(coordinator, self.pending.pop(coordinator))
         self.current.append(weakref.ref(coordinator))
 
     def release_pending(self, coordinator=None) -> None:
@@ -95,7 +93,7 @@ class _Rounds:
         room = min(getattr(first, _MANGLED + "prefetch_bucket_sz"), getattr(first, _MANGLED + "max_n_available_params"))
         shares, total, group = [], 0, None
         for c in coordinators:
-            share = _share(c) if c is not None and c not in self.pending else None
+            share = _share(c) if c is not None else None
             if not share:
                 continue
             numel = sum(p.ds_numel for p in share)
@@ -113,7 +111,6 @@ class _Rounds:
             handle = params[0].all_gather_coalesced(params)
         handle.wait()
         STATS["joins"] += 1
-        STATS["params"] += len(params)
         for c, share in shares:
             self.pending[c] = share
 
@@ -189,15 +186,13 @@ def install(optimizer) -> bool:
     if coordinator is None or not switch_on(ZERO3_JOINED_FETCH) or not compat.fast_path_exact(coordinator, FEATURE):
         return False
     compat.replace_method(coordinator, "reset_step", reset_step, FEATURE)
-    compat.state(optimizer, FEATURE, {"coordinator": weakref.ref(coordinator)})  # seen by compat.installed(optimizer)
+    compat.state(optimizer, FEATURE, {})  # so that compat.installed(optimizer, FEATURE) sees it
     return True
 
 
-def release_pending(optimizer) -> None:
-    """Release what was gathered for this engine's next forward (``stage3_prefetch.drain``)."""
-    coordinator = coordinator_of(optimizer)
-    if coordinator is not None:
-        _ROUNDS.release_pending(coordinator)
+def release_pending(coordinator) -> None:
+    """Release what was gathered for this coordinator's next forward (``stage3_prefetch.drain``)."""
+    _ROUNDS.release_pending(coordinator)
 
 
 def forget(optimizer) -> None:

@@ -18,6 +18,6 @@ from . import stage3_joined_fetch
 def drain(engine) -> None:
     """Wait for and release ``engine``'s ZeRO-3 prefetches (see the Note); nothing below ZeRO-3."""
     if engine.zero_optimization_stage() == 3:
-        offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
-        offload.get_param_coordinator()._clean_inflight_param_registry()
-        stage3_joined_fetch.release_pending(engine.optimizer)  # [Note: one fetch for several engines' forwards]
+        coordinator = stage3_joined_fetch.coordinator_of(engine.optimizer)
+        coordinator._clean_inflight_param_registry()
+        stage3_joined_fetch.release_pending(coordinator)  # [Note: one fetch for several engines' forwards]

@@ -54,9 +54,9 @@ def _engines(specs, gas, joined):
             else:
                 model.requires_grad_(False)
                 engines.append(deepspeed_multi.initialize(model=model, config=cfg)[0])
-        offload = getattr(engines[-1].optimizer, "parameter_offload", engines[-1].optimizer)
         if stage == 3:
-            assert compat.installed(offload.get_param_coordinator(), stage3_joined_fetch.FEATURE) == joined
+            coordinator = stage3_joined_fetch.coordinator_of(engines[-1].optimizer)
+            assert compat.installed(coordinator, stage3_joined_fetch.FEATURE) == joined
     return engines
 
 
