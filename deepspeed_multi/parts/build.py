@@ -5,6 +5,7 @@ import torch
 
 from ..autograd.tree import tree_tensors
 from ..config import enabled
+from ..zero import stage3_joined_fetch
 from . import clip, construct, optimizer as parts_optimizer
 from .engine import PartedEngine, PartsOptimizer
 from .plan import REST, Plan
@@ -71,7 +72,7 @@ def _reset_rest_trace_at_model_forward(model, rest):
     container) is never called, so the model's forward starts it instead."""
     if rest is None or rest.zero_optimization_stage() != 3:
         return []
-    coordinator = getattr(rest.optimizer, "parameter_offload", rest.optimizer).get_param_coordinator()
+    coordinator = stage3_joined_fetch.coordinator_of(rest.optimizer)
 
     def _start_of_model_forward(module, args):
         coordinator.reset_step()
