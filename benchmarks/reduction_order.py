@@ -60,7 +60,7 @@ def _rank(rank, world, port, out, engines, reps):
 
 
 def _reduce_scatter(rank, world, engines, reps):
-    """(elements whose bits differ, summed over ranks; elements per rank; ms separate; ms joined)."""
+    """(elements whose bits differ, summed over ranks; elements reduced; ms separate; ms joined)."""
     import deepspeed
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
     deepspeed.init_distributed("gloo", verbose=False)
