@@ -14,13 +14,17 @@ export DSM_BUILD_DIR ?= $(abspath $(VENV))/dsm_build
 # `make test` runs the newest (.venv) and then the core rows on the oldest (.venv-ds-oldest).
 # The fast paths run on the checked newest release only, so the oldest runs DeepSpeed's own methods.
 DS_OLDEST ?= 0.19.4
+# The oldest transformers deepspeed_multi.transformers accepts (TESTED there) runs here too.
+TRANSFORMERS_OLDEST ?= 5.23.0
 VENV_OLDEST ?= .venv-ds-oldest
 PY_OLDEST := $(VENV_OLDEST)/bin/python
 STAMP_OLDEST := $(VENV_OLDEST)/.installed
 # The correctness matrix's core groups (marked "core": tests/multi_gpu/scenarios.py, CORE), the
-# fuzzer's fixed seeds, the Accelerate loops, and the resize resume (it runs DeepSpeed's converter).
+# fuzzer's fixed seeds, the Accelerate loops, the resize resume (it runs DeepSpeed's converter), and the
+# Trainer and TRL against DDP (with the oldest transformers).
 OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_fuzz.py tests/multi_gpu/test_accelerate.py \
-	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size
+	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
+	tests/unit/test_transformers_integration.py tests/multi_gpu/test_trainer.py
 
 .PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi demo bench fuzz clean
 
@@ -42,11 +46,14 @@ $(STAMP_OLDEST): setup.py Makefile requirements-test.txt
 	python3 -m venv $(VENV_OLDEST)
 	$(PY_OLDEST) -m pip install -q --upgrade pip
 	$(PY_OLDEST) -m pip install -q "$(TORCH_SPEC)"
-	printf '%s\n' "$(TORCH_SPEC)" "deepspeed==$(DS_OLDEST)" > $(VENV_OLDEST)/constraint.txt
-	grep -v '^deepspeed\|^trl\|^peft' requirements-test.txt > $(VENV_OLDEST)/requirements.txt
-	$(PY_OLDEST) -m pip install -q -c $(VENV_OLDEST)/constraint.txt "deepspeed==$(DS_OLDEST)" -r $(VENV_OLDEST)/requirements.txt
+	printf '%s\n' "$(TORCH_SPEC)" "deepspeed==$(DS_OLDEST)" "transformers==$(TRANSFORMERS_OLDEST)" > $(VENV_OLDEST)/constraint.txt
+	grep -v '^deepspeed\|^transformers' requirements-test.txt > $(VENV_OLDEST)/requirements.txt
+	$(PY_OLDEST) -m pip install -q -c $(VENV_OLDEST)/constraint.txt "deepspeed==$(DS_OLDEST)" \
+	  "transformers==$(TRANSFORMERS_OLDEST)" -r $(VENV_OLDEST)/requirements.txt
 	$(PY_OLDEST) -m pip install -q --no-deps -e .
-	$(PY_OLDEST) -c "import torch, deepspeed; assert deepspeed.__version__ == '$(DS_OLDEST)', deepspeed.__version__; print('oldest: torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+	$(PY_OLDEST) -c "import torch, deepspeed, transformers; assert deepspeed.__version__ == '$(DS_OLDEST)', deepspeed.__version__; \
+	  assert transformers.__version__ == '$(TRANSFORMERS_OLDEST)', transformers.__version__; \
+	  print('oldest: torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
 setup-oldest: $(STAMP_OLDEST)

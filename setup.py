@@ -35,9 +35,10 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],
         # deepspeed_multi.accelerate and Transformers support in zero_init. Install torch first:
-        # these never pull a torch then (their torch requirement is already met).
-        "hf": ["accelerate==1.15.0", "transformers==5.23.0"],
+        # these never pull a torch then (their torch requirement is already met). The transformers range
+        # is deepspeed_multi.transformers.TESTED (make test runs both ends).
+        "hf": ["accelerate==1.15.0", "transformers>=5.23.0,<5.25"],
         # deepspeed_multi.transformers with TRL's trainers (multi_engine_trainer, deepspeed_roles).
-        "trl": ["accelerate==1.15.0", "transformers==5.23.0", "trl==1.16.0", "peft==0.21.2"],
+        "trl": ["accelerate==1.15.0", "transformers>=5.23.0,<5.25", "trl==1.16.0", "peft==0.21.2"],
     },
 )

@@ -55,8 +55,10 @@ from .parts.engine import PartedEngine
 from .integrations import trl_stages
 from .switches import ALLOW_UNTESTED_TRAINERS, switch_on
 
-# The releases (major.minor) deepspeed_multi.transformers was measured with (tests/multi_gpu/test_trainer.py).
-TESTED = {"transformers": "5.23", "trl": "1.16"}
+# The releases (major.minor) deepspeed_multi.transformers is measured with (tests/multi_gpu/test_trainer.py):
+# make test runs the newest in full (requirements-test.txt) and the oldest transformers beside the oldest
+# DeepSpeed (Makefile: test-oldest).
+TESTED = {"transformers": ("5.23", "5.24"), "trl": ("1.16",)}
 
 
 class TrainerAccelerator(Accelerator):
@@ -271,11 +273,13 @@ def check_versions(cls) -> None:
     packages = ["transformers"] + (["trl"] if cls.__module__.split(".")[0] == "trl" else [])
     for package in packages:
         installed = md.version(package)
-        tested = compat._version_tuple(TESTED[package])
-        if compat._version_tuple(installed)[:2] != tested and not switch_on(ALLOW_UNTESTED_TRAINERS, False):
+        tested = TESTED[package]
+        if (compat._version_tuple(installed)[:2] not in [compat._version_tuple(t) for t in tested]
+                and not switch_on(ALLOW_UNTESTED_TRAINERS, False)):
+            listed = " and ".join(f"{t}.x" for t in tested)
             raise RuntimeError(
-                f"deepspeed_multi.transformers was tested with {package} {TESTED[package]}.x; this environment has "
-                f"{package} {installed}. Install {package}=={TESTED[package]}.* (pip install 'deepspeed_multi[trl]'), "
+                f"deepspeed_multi.transformers was tested with {package} {listed}; this environment has "
+                f"{package} {installed}. Install {package}=={tested[-1]}.* (pip install 'deepspeed_multi[trl]'), "
                 f"or set {ALLOW_UNTESTED_TRAINERS}=1 to run {cls.__name__} anyway (compare its losses with a DDP run "
                 "first: the Trainer's accumulation and clipping calls are what this integration depends on).")
 
