@@ -101,6 +101,19 @@ def test_an_untested_transformers_or_trl_is_refused_with_the_fix(monkeypatch):
     assert issubclass(dsm_transformers.multi_engine_trainer(Another), Another)
 
 
+@pytest.mark.parametrize("version", ["5.23.0", "5.23.4", "5.24.0", "5.24.2.dev0"])
+def test_every_tested_transformers_minor_release_is_accepted(monkeypatch, version):
+    import importlib.metadata as md
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda p: version if p == "transformers" else real(p))
+    monkeypatch.delenv("DSM_ALLOW_UNTESTED_TRAINERS", raising=False)
+
+    class Tested(transformers.Trainer):
+        pass
+
+    dsm_transformers.check_versions(Tested)  # no error
+
+
 def test_the_trl_internals_trl_stages_relies_on_are_there():
     """integrations/trl_stages.py swaps or calls these (touch_points.tsv); each silently doing
     nothing if TRL renamed it would bring back the one-config bugs, so a rename fails here."""
