@@ -293,3 +293,20 @@ def test_every_replaced_name_is_a_touch_point():
     replaced = {(tp.owner, tp.name) for tp in compat.TOUCH_POINTS if tp.how in ("replaced", "relied on")}
     listed = {(owner, n) for owner, names in compat.FAST_PATH_METHODS.values() for n in names}
     assert replaced == listed
+
+
+def test_the_install_files_test_both_ends_of_each_supported_window():
+    """compat.SUPPORTED and transformers.TESTED are what the code accepts; setup.py, requirements-test.txt
+    (the newest environment) and the Makefile's oldest environment must install those ends, or make test
+    would stop testing what users are allowed to run."""
+    root = Path(__file__).resolve().parents[2]
+    pins = dict(re.findall(r"^(deepspeed|transformers)==(\S+)$", (root / "requirements-test.txt").read_text(), re.M))
+    make = dict(re.findall(r"^(DS_OLDEST|TRANSFORMERS_OLDEST) \?= (\S+)$", (root / "Makefile").read_text(), re.M))
+    setup = (root / "setup.py").read_text()
+    assert (make["DS_OLDEST"], pins["deepspeed"]) == compat.SUPPORTED
+    assert f'"deepspeed>={compat.SUPPORTED[0]},<={compat.SUPPORTED[1]}"' in setup
+    tested = pytest.importorskip("deepspeed_multi.transformers").TESTED["transformers"]
+    minor = lambda v: ".".join(v.split(".")[:2])  # noqa: E731
+    assert (minor(make["TRANSFORMERS_OLDEST"]), minor(pins["transformers"])) == (tested[0], tested[-1])
+    major, last = tested[-1].split(".")
+    assert f'"transformers>={tested[0]}.0,<{major}.{int(last) + 1}"' in setup

@@ -94,8 +94,8 @@ def test_an_untested_transformers_or_trl_is_refused_with_the_fix(monkeypatch):
     class Another(transformers.Trainer):
         pass
 
-    with pytest.raises(RuntimeError, match=r"tested with transformers 5\.23\.x and 5\.24\.x; this environment has transformers "
-                                           r"5\.99\.0.*DSM_ALLOW_UNTESTED_TRAINERS=1"):
+    with pytest.raises(RuntimeError, match=r"tested with transformers 5\.23\.x and 5\.24\.x; this environment has "
+                                           r"transformers 5\.99\.0.*DSM_ALLOW_UNTESTED_TRAINERS=1"):
         dsm_transformers.multi_engine_trainer(Another)
     monkeypatch.setenv("DSM_ALLOW_UNTESTED_TRAINERS", "1")
     assert issubclass(dsm_transformers.multi_engine_trainer(Another), Another)
