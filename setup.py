@@ -28,7 +28,7 @@ setup(
     cmdclass={"build_py": BuildPyWithSources},
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4,<2.15",
+        "torch>=2.6,<2.16",  # measured at 2.6.0, 2.13.0, 2.14.1, 2.15.0 (docs/supported_releases.md)
         "deepspeed>=0.19.4,<=0.19.8",  # the supported window (compat.SUPPORTED; README "Supported DeepSpeed releases")
         "ninja",
     ],

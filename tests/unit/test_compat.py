@@ -298,7 +298,8 @@ def test_every_replaced_name_is_a_touch_point():
 def test_the_install_files_test_both_ends_of_each_supported_window():
     """compat.SUPPORTED and transformers.TESTED are what the code accepts; setup.py, requirements-test.txt
     (the newest environment) and the Makefile's oldest environment must install those ends, or make test
-    would stop testing what users are allowed to run."""
+    would stop testing what users are allowed to run. The torch make test installs must be in setup.py's
+    range (its ends were measured by hand: docs/supported_releases.md)."""
     root = Path(__file__).resolve().parents[2]
     pins = dict(re.findall(r"^(deepspeed|transformers)==(\S+)$", (root / "requirements-test.txt").read_text(), re.M))
     make = dict(re.findall(r"^(DS_OLDEST|TRANSFORMERS_OLDEST) \?= (\S+)$", (root / "Makefile").read_text(), re.M))
@@ -310,3 +311,8 @@ def test_the_install_files_test_both_ends_of_each_supported_window():
     assert (minor(make["TRANSFORMERS_OLDEST"]), minor(pins["transformers"])) == (tested[0], tested[-1])
     major, last = tested[-1].split(".")
     assert f'"transformers>={tested[0]}.0,<{major}.{int(last) + 1}"' in setup
+    # torch: make test runs one release (the Makefile's pin); it must lie in the range setup.py states.
+    torch_pin = re.search(r"^TORCH_SPEC \?= torch==(\d+)\.(\d+)", (root / "Makefile").read_text(), re.M).groups()
+    low, high = re.search(r'"torch>=(\d+\.\d+),<(\d+\.\d+)"', setup).groups()
+    as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert as_tuple(low) <= tuple(map(int, torch_pin)) < as_tuple(high), (torch_pin, low, high)
