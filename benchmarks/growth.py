@@ -62,13 +62,18 @@ PHASES = ("forward", "backward", "step")
 STAGES = {"alt": lambda k: 2 + k % 2, "2": lambda k: 2, "3": lambda k: 3}  # --stages: tower k's ZeRO stage
 
 
-def _engine_count_variants(n, wiring, stages="alt"):
+def _engine_count_variants(n, wiring, stages="alt", upstream_engines=False):
     import deepspeed
     import deepspeed_multi
     dev = B.device()
     towers = [B.Tower(D_ENGINE, D_ENGINE, 1, D_ENGINE, seed=k) for k in range(n)]
     engines = [B.build_engine(deepspeed_multi.initialize, copy.deepcopy(t), B.ds_config(STAGES[stages](k)))
                for k, t in enumerate(towers)]
+    extra = {}
+    if upstream_engines:  # --upstream: DeepSpeed's own N engines, as ours are wired (DeepSpeed 0.19.8 takes loss.backward())
+        extra["upstream"] = towers_step([B.build_engine(deepspeed.initialize, copy.deepcopy(t),
+                                                        B.ds_config(STAGES[stages](k))) for k, t in enumerate(towers)],
+                                        wiring, (MICRO_BS, SEQ, D_ENGINE))
     whole = (B.Chain if wiring == "chained" else Parallel)(*copy.deepcopy(towers))
     upstream = B.build_engine(deepspeed.initialize, whole, B.ds_config(3))
     shape = (MICRO_BS, SEQ, D_ENGINE)
@@ -84,7 +89,8 @@ def _engine_count_variants(n, wiring, stages="alt"):
             upstream.step()
         return timer.phases
 
-    return {"ours": towers_step(engines, wiring, shape), "super-module": super_module}, sum(B.n_params(t) for t in towers)
+    return ({"ours": towers_step(engines, wiring, shape), "super-module": super_module, **extra},
+            sum(B.n_params(t) for t in towers))
 
 
 def towers_step(engines, wiring, shape):
@@ -136,12 +142,12 @@ def _param_count_variants(d):
     return {"ours": ours, "super-module": super_module}, B.n_params(enc) + B.n_params(llm)
 
 
-def timing(engine_counts, stage_sets, dims, warmup, steps):
+def timing(engine_counts, stage_sets, dims, warmup, steps, upstream_engines=False):
     out = {"engines": [], "params": []}
     for stages in stage_sets:
         for wiring in ("chained", "parallel"):
             for n in engine_counts:
-                variants, params = _engine_count_variants(n, wiring, stages)
+                variants, params = _engine_count_variants(n, wiring, stages, upstream_engines)
                 t = B.interleave(variants, warmup, steps)
                 out["engines"].append({"stages": stages, "wiring": wiring, "n": n, "params": params,
                                        **{k: v["total"] for k, v in t.items()},
@@ -163,9 +169,13 @@ def main():
     ap.add_argument("--stages", nargs="+", default=["alt", "2", "3"], choices=list(STAGES),
                     help="the towers' ZeRO stages: alt (2, 3, 2, ...), 2 or 3; the super-module is ZeRO-3 in all")
     ap.add_argument("--dims", type=int, nargs="*", default=[40, 128, 400, 1248], help="none: skip the parameter sweep")
+    ap.add_argument("--upstream", action="store_true",
+                    help="also step N upstream deepspeed.initialize engines under one loss.backward(), interleaved, "
+                         "and print ours / upstream (the cost of N engines as DeepSpeed has it)")
     ap.set_defaults(steps=6, warmup=2)
     args = ap.parse_args()
-    t = B.launch(timing, args.engines, args.stages, args.dims, args.warmup, args.steps, timeout_s=5400)[0]
+    t = B.launch(timing, args.engines, args.stages, args.dims, args.warmup, args.steps, args.upstream,
+                 timeout_s=5400)[0]
     rows_e, rows_p = [], []
     for r in t["engines"]:
         r.update(ours_ms=B.median(r["ours"]), super_ms=B.median(r["super-module"]),
@@ -190,6 +200,15 @@ def main():
     print(table_e)
     print("\nWhere the time goes: the median of each phase (forward incl. the loss, backward, the step() calls)\n")
     print(table_ph)
+    if args.upstream:
+        rows_u = [[r["stages"], r["wiring"], r["n"], f"{B.median(r['ours']):.1f}", f"{B.median(r['upstream']):.1f}",
+                   f"{B.paired_ratio(r['ours'], r['upstream']):.3f}"]
+                  + [f"{B.median(r['phases'][v][p]):.1f}" for p in PHASES for v in ("ours", "upstream")]
+                  for r in t["engines"]]
+        print("\nThe same engines as DeepSpeed's own: N deepspeed.initialize engines under one loss.backward(), "
+              "interleaved with the above in the same ranks\n")
+        print(B.fmt_table(["stages", "wiring", "engines", "ours ms", "upstream ms", "ours / upstream (paired)"]
+                          + [f"{p} {v} ms" for p in PHASES for v in ("ours", "upstream")], rows_u))
     print(f"\nParameters: encoder (ZeRO-2, 1 block) -> LLM (ZeRO-3, {P_LAYERS} blocks), width d, micro-batch "
           f"{P_MICRO_BS}x{P_SEQ}; baseline: one upstream ZeRO-3 engine over both\n")
     print(table_p)
