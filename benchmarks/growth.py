@@ -21,7 +21,10 @@ Prints three tables (the step times, their phases, the parameter sweep) and
 writes benchmarks/results/growth.json and .png (two panels).
 
 Usage: python benchmarks/growth.py [--steps 6] [--warmup 2] [--engines 1 2 4 8 16] [--stages alt 2 3]
-                                  [--dims 40 128 400 1248]
+                                  [--dims 40 128 400 1248] [--upstream]
+
+``--upstream`` adds a third variant, N ``deepspeed.initialize`` engines under one ``loss.backward()``
+wired as ours, and a table of ours / upstream: what N engines cost in DeepSpeed itself.
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ def _engine_count_variants(n, wiring, stages="alt", upstream_engines=False):
     engines = [B.build_engine(deepspeed_multi.initialize, copy.deepcopy(t), B.ds_config(STAGES[stages](k)))
                for k, t in enumerate(towers)]
     extra = {}
-    if upstream_engines:  # --upstream: DeepSpeed's own N engines, as ours are wired (DeepSpeed 0.19.8 takes loss.backward())
+    if upstream_engines:  # --upstream: DeepSpeed's own N engines wired as ours (0.19.8 takes loss.backward())
         extra["upstream"] = towers_step([B.build_engine(deepspeed.initialize, copy.deepcopy(t),
                                                         B.ds_config(STAGES[stages](k))) for k, t in enumerate(towers)],
                                         wiring, (MICRO_BS, SEQ, D_ENGINE))
