@@ -72,14 +72,14 @@ def _engine_count_variants(n, wiring, stages="alt", upstream_engines=False):
     towers = [B.Tower(D_ENGINE, D_ENGINE, 1, D_ENGINE, seed=k) for k in range(n)]
     engines = [B.build_engine(deepspeed_multi.initialize, copy.deepcopy(t), B.ds_config(STAGES[stages](k)))
                for k, t in enumerate(towers)]
+    shape = (MICRO_BS, SEQ, D_ENGINE)
     extra = {}
     if upstream_engines:  # --upstream: DeepSpeed's own N engines wired as ours (0.19.8 takes loss.backward())
         extra["upstream"] = towers_step([B.build_engine(deepspeed.initialize, copy.deepcopy(t),
                                                         B.ds_config(STAGES[stages](k))) for k, t in enumerate(towers)],
-                                        wiring, (MICRO_BS, SEQ, D_ENGINE))
+                                        wiring, shape)
     whole = (B.Chain if wiring == "chained" else Parallel)(*copy.deepcopy(towers))
     upstream = B.build_engine(deepspeed.initialize, whole, B.ds_config(3))
-    shape = (MICRO_BS, SEQ, D_ENGINE)
 
     def super_module(i):
         x, y = _batch(i, shape, dev)
