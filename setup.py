@@ -40,5 +40,7 @@ setup(
         "hf": ["accelerate==1.15.0", "transformers>=5.23.0,<5.25"],
         # deepspeed_multi.transformers with TRL's trainers (multi_engine_trainer, deepspeed_roles).
         "trl": ["accelerate==1.15.0", "transformers>=5.23.0,<5.25", "trl==1.16.0", "peft==0.21.2"],
+        # deepspeed_multi.lightning (Fabric and the Trainer); the range is deepspeed_multi.lightning.TESTED.
+        "lightning": ["lightning==2.6.6"],
     },
 )

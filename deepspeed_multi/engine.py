@@ -66,7 +66,7 @@ class MultiEngine(DeepSpeedEngine):
         # updates); this engine keeps DeepSpeed's managed meaning of gradient_accumulation_steps
         # unless the user configured managed_gradient_accumulation=false.
         self._user_managed_boundary = user_managed_boundary
-        self._caller_scales_loss = False  # the Trainer divides the loss itself (transformers.py)
+        self._caller_scales_loss = False  # the caller divides the loss itself (integrations/engine_steps.py)
         self._window_micro_steps = 0
         self._window_backwards = 0
         # One tiny all-reduce per update at ZeRO 0/1, off the critical path (rank_agreement.py); 0 turns it off.

@@ -53,6 +53,7 @@ from .config import enabled, load_config, merged
 from .engine import MultiEngine
 from .parts.engine import PartedEngine
 from .integrations import trl_stages
+from .integrations.engine_steps import caller_owns_accumulation
 from .switches import ALLOW_UNTESTED_TRAINERS, switch_on
 
 # The releases (major.minor) deepspeed_multi.transformers is measured with (tests/multi_gpu/test_trainer.py):
@@ -125,15 +126,6 @@ class TrainerAccelerator(Accelerator):
         """``free_memory`` (the Trainer calls it as ``train()`` starts) keeps the models of TRL roles,
         prepared in the trainer's ``__init__``, for the whole run."""
         return [m for m in self._models if getattr(m, "_dsm_role", None)]
-
-
-def caller_owns_accumulation(engine: MultiEngine) -> None:
-    """``engine`` updates at every ``step()`` and leaves the 1/gas to its caller (see the Note)."""
-    if engine._window_backwards or engine._window_micro_steps:
-        raise RuntimeError(f"{type(engine.module).__name__}: the Trainer must own accumulation from the first backward "
-                           "pass; prepare the model before training it.")
-    engine._user_managed_boundary = True
-    engine._caller_scales_loss = True
 
 
 # ---------------------------------------------------------------------------- TRL roles

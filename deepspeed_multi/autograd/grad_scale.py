@@ -16,6 +16,6 @@ def loss_scale(engine) -> float:
 def factor(engine) -> float:
     if not engine.trains:
         return 1.0
-    if engine._caller_scales_loss:  # the Trainer divided the loss itself (deepspeed_multi/transformers.py)
+    if engine._caller_scales_loss:  # the caller divided the loss itself (integrations/engine_steps.py)
         return loss_scale(engine)
     return loss_scale(engine) / engine.gradient_accumulation_steps()

@@ -1,0 +1,20 @@
+"""deepspeed_multi.lightning: Fabric programs written for DDP, run unchanged but for the strategy,
+against the same programs under Lightning's DDP strategy (exact, fp32, rank by rank)."""
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning_checks as checks  # noqa: E402
+from harness import run_distributed  # noqa: E402
+
+
+def test_fabric_programs_against_ddp():
+    run_distributed(checks.fabric_programs)
+
+
+def test_fabric_save_load_resume(tmp_path):
+    run_distributed(checks.fabric_resume, str(tmp_path))
+
+
+def test_fabric_bad_input():
+    run_distributed(checks.fabric_bad_input)
