@@ -49,6 +49,18 @@ def check_by_class(configs) -> dict:
     return dict(configs)
 
 
+def for_model(template, precision: str, own, model_name: str, trains: bool) -> dict:
+    """``engine_config`` with the precision settings of ``template``, the Lightning DeepSpeedStrategy
+    that holds the strategy's config (its fp16 loss-scale arguments)."""
+    from lightning.fabric.strategies.deepspeed import _format_precision_config
+
+    def fill_precision(config):
+        _format_precision_config(config=config, precision=precision, loss_scale=template.loss_scale,
+                                 loss_scale_window=template.loss_scale_window, min_loss_scale=template.min_loss_scale,
+                                 initial_scale_power=template.initial_scale_power, hysteresis=template.hysteresis)
+    return engine_config(template.config, own, model_name, precision, fill_precision, trains)
+
+
 def engine_config(base: dict, own, model_name: str, precision: str, fill_precision, trains: bool) -> dict:
     """The config ``deepspeed_multi.initialize`` gets for one model (see the Note).
 

@@ -41,7 +41,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy, _format_precision_config
+from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.load import _move_state_into
 
@@ -147,14 +147,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     def _engine_config(self, module, trains: bool) -> dict:
-        t = self._template
-
-        def fill_precision(config):
-            _format_precision_config(config=config, precision=self.precision.precision, loss_scale=t.loss_scale,
-                                     loss_scale_window=t.loss_scale_window, min_loss_scale=t.min_loss_scale,
-                                     initial_scale_power=t.initial_scale_power, hysteresis=t.hysteresis)
-        return per_model.engine_config(self.config, per_model.own_config(module, self._by_class), type(module).__name__,
-                                     self.precision.precision, fill_precision, trains)
+        return per_model.for_model(self._template, self.precision.precision, per_model.own_config(module, self._by_class),
+                                   type(module).__name__, trains)
 
     def _check_new(self, module, what: str) -> None:
         if isinstance(module, MultiEngine) or module in self._set_up:

@@ -138,3 +138,36 @@ def fabric_bad_input():
     fabric, g5 = multi(config=dict(BASE, gradient_accumulation_steps=4)), loops.Generator()
     expect_error(ValueError, lambda: fabric.setup(g5, torch.optim.SGD(g5.parameters(), lr=0.1)),
                  "the strategy's DeepSpeed config sets gradient_accumulation_steps=4")
+
+
+def trainer_gan(tmp):
+    """A LightningModule GAN (generator ZeRO-2, discriminator ZeRO-1, manual optimization) under the
+    Trainer against DDP; then saved by ModelCheckpoint after epoch 1 and resumed with ckpt_path= to
+    epoch 2, equal to the uninterrupted run."""
+    import os
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    import lightning_trainer_loops as tl
+    from deepspeed_multi.lightning import MultiDeepSpeedTrainerStrategy
+
+    def ours():
+        return MultiDeepSpeedTrainerStrategy(config=copy.deepcopy(BASE),
+                                             configs={"generator": zero(2), "discriminator": zero(1)})
+
+    ref, _ = tl.fit(DDPStrategy(find_unused_parameters=True), epochs=2)
+    full, trainer = tl.fit(ours(), epochs=2)
+    assert ref.losses and len(full.losses) == len(ref.losses) == 12, (len(ref.losses), len(full.losses))
+    loops.compare({"losses": full.losses, "norms": [], "weights": tl.weights(full)},
+                  {"losses": ref.losses, "norms": [], "weights": tl.weights(ref)}, "Trainer GAN")
+    assert full.seen == {("generator", "MultiEngine", 2), ("discriminator", "MultiEngine", 1)}, full.seen
+    assert ref.seen == {("generator", "Generator", None), ("discriminator", "Discriminator", None)}, ref.seen
+    assert not trainer.strategy.engines   # handed back at teardown
+
+    ckpt_dir = os.path.join(tmp, "trainer_ckpt")
+    first, _ = tl.fit(ours(), epochs=1, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1)])
+    saved = sorted(os.listdir(ckpt_dir))
+    assert len(saved) == 1 and os.path.isdir(os.path.join(ckpt_dir, saved[0])), saved
+    resumed, trainer = tl.fit(ours(), epochs=2, module=tl.GAN(seed=5), ckpt_path=os.path.join(ckpt_dir, saved[0]))
+    assert trainer.current_epoch == 2 and len(resumed.losses) == 6, (trainer.current_epoch, len(resumed.losses))
+    loops.compare({"losses": first.losses + resumed.losses, "norms": [], "weights": tl.weights(resumed)},
+                  {"losses": full.losses, "norms": [], "weights": tl.weights(full)}, "resumed Trainer GAN", tol=0)

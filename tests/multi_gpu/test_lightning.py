@@ -18,3 +18,7 @@ def test_fabric_save_load_resume(tmp_path):
 
 def test_fabric_bad_input():
     run_distributed(checks.fabric_bad_input)
+
+
+def test_trainer_gan_against_ddp_and_resume(tmp_path):
+    run_distributed(checks.trainer_gan, str(tmp_path))

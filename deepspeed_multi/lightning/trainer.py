@@ -1,0 +1,232 @@
+"""``MultiDeepSpeedTrainerStrategy``: the PyTorch Lightning ``Trainer`` over a LightningModule that
+holds several models, each its own MultiEngine with its own config.
+
+Lightning's ``DeepSpeedStrategy`` makes the whole LightningModule one engine with one config and
+one optimizer. This strategy instead makes an engine of each model the LightningModule holds as an
+attribute (a direct child module):
+
+* a child whose parameters an optimizer from ``configure_optimizers`` holds is a trained engine
+  with that optimizer (one optimizer per model; ``self.optimizers()`` returns them in order);
+* a child named in ``configs`` without an optimizer is a frozen engine (a teacher, a reference
+  model) at its config's stage;
+* other children stay plain modules, replicated on every rank.
+
+``configs`` maps the attribute name to the model's own config, merged over ``config`` ([Note: a
+config per model under Lightning] in configs.py). The LightningModule uses manual optimization
+(``self.automatic_optimization = False``), as Lightning's own GAN examples are written:
+``self.manual_backward(loss)`` is one backward through every engine the loss reaches, each
+optimizer's ``step()``/``zero_grad()`` is its own engine's, and the loop owns accumulation
+([Note: the caller owns gradient accumulation] in integrations/engine_steps.py). Runs in fp32
+(``precision="32-true"``).
+
+``trainer.save_checkpoint(path)`` writes one set checkpoint (``deepspeed_multi.save_checkpoint``)
+in the directory ``path``, Lightning's own checkpoint (loops, schedulers, plain children's
+weights, callbacks) as its client state; ``trainer.fit(..., ckpt_path=path)`` resumes from it
+once the engines are built.
+"""
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy as FabricDeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from .. import checkpoint as set_checkpoint
+from ..engine import MultiEngine
+from ..initialize import initialize
+from ..integrations.engine_steps import caller_owns_accumulation
+from . import configs as per_model
+from .fabric import EngineOptimizer
+from .versions import check_lightning
+
+__all__ = ["MultiDeepSpeedTrainerStrategy"]
+
+
+class TrainerEngineOptimizer(EngineOptimizer):
+    """Lightning's optimizer step passes a closure (its hooks around the step under manual
+    optimization): run it, then the engine's step."""
+
+    def step(self, closure=None):
+        if closure is not None:
+            closure()
+        return super().step()
+
+
+class MultiDeepSpeedTrainerStrategy(DDPStrategy):
+    """Trainer strategy for a LightningModule of several DeepSpeed models (see the module doc)."""
+
+    strategy_name = "deepspeed_multi"
+
+    def __init__(self, config=None, configs: Optional[dict] = None, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, precision_plugin=None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout, **deepspeed_kwargs: Any):
+        check_lightning()
+        self._template = FabricDeepSpeedStrategy(config=config, **deepspeed_kwargs)
+        self._by_name = per_model.check_by_class(configs)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._engines = {}   # attribute name -> engine
+
+    @property
+    def config(self) -> dict:
+        return self._template.config
+
+    @property
+    def engines(self) -> dict:
+        return dict(self._engines)
+
+    # ------------------------------------------------------------------ environment
+    def setup_environment(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+        wanted, have = get_accelerator().device_name(), self.root_device.type
+        if have != wanted:
+            raise RuntimeError(
+                f"MultiDeepSpeedTrainerStrategy: the Trainer runs on {have!r} but DeepSpeed's accelerator is "
+                f"{wanted!r}. On a machine without GPUs set DS_ACCELERATOR=cpu and Trainer(accelerator='cpu').")
+        super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        import deepspeed
+        FabricDeepSpeedStrategy._set_node_environment_variables(self)   # what deepspeed.init_distributed reads
+        deepspeed.init_distributed(self._process_group_backend, distributed_port=self.cluster_environment.main_port,
+                                   timeout=self._timeout)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        precision = self.precision_plugin.precision
+        if precision != "32-true":
+            raise ValueError(f"MultiDeepSpeedTrainerStrategy runs in fp32: got Trainer(precision={precision!r}). Use "
+                             "precision='32-true' (per-model fp16/bf16 is not supported under the Trainer yet).")
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    f"MultiDeepSpeedTrainerStrategy: {type(self.lightning_module).__name__} uses automatic "
+                    "optimization. Set self.automatic_optimization = False in its __init__ and write training_step "
+                    "with self.optimizers(), self.manual_backward(loss), opt.step() and opt.zero_grad(), one "
+                    "optimizer per model.")
+            self.setup_optimizers(trainer)
+            self._build_engines()
+        self.setup_precision_plugin()
+
+    def _owner(self, optimizer, children: dict) -> str:
+        """The one child whose parameters ``optimizer`` holds."""
+        ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
+        owners = {}
+        for name, child in children.items():
+            own = {id(p) for p in child.parameters()}
+            hits = sum(i in own for i in ids)
+            if hits:
+                owners[name] = hits
+        module = type(self.lightning_module).__name__
+        if len(owners) == 1 and sum(owners.values()) == len(ids):
+            return next(iter(owners))
+        found = ", ".join(f"{n} ({k})" for n, k in owners.items()) or "none"
+        raise ValueError(
+            f"{module}.configure_optimizers: an optimizer holds {len(ids)} parameters; by model: {found}"
+            f"{'' if sum(owners.values()) == len(ids) else ', and parameters of no child module'}. Each DeepSpeed "
+            f"model is one child module of {module} with its own optimizer over its own parameters: return one "
+            "optimizer per model (e.g. [Adam(self.generator.parameters()), Adam(self.discriminator.parameters())]).")
+
+    def _build_engines(self) -> None:
+        lm = self.lightning_module
+        children = dict(lm.named_children())
+        trained = {}
+        for i, opt in enumerate(self.optimizers):
+            name = self._owner(opt, children)
+            if name in trained:
+                raise ValueError(f"{type(lm).__name__}.configure_optimizers: two optimizers hold parameters of "
+                                 f"{name!r}; a DeepSpeed model has one optimizer.")
+            trained[name] = i
+        unknown = sorted(set(self._by_name) - set(children))
+        if unknown:
+            raise ValueError(f"configs names {unknown}, which are not child modules of {type(lm).__name__} "
+                             f"(its children: {sorted(children)}). Key configs by the attribute that holds the model.")
+        optimizers = list(self.optimizers)
+        for name, child in children.items():
+            if name not in trained and name not in self._by_name:
+                continue   # a plain module, replicated
+            own = per_model.load_config(self._by_name[name]) if name in self._by_name else None
+            config = per_model.for_model(self._template, "32-true", own, name, trains=name in trained)
+            if name in trained:
+                opt = optimizers[trained[name]]
+                engine, ds_opt, _, _ = initialize(model=child, optimizer=opt, config=config, dist_init_required=False,
+                                                  model_parameters=[p for p in child.parameters() if p.requires_grad])
+                caller_owns_accumulation(engine)
+                optimizers[trained[name]] = TrainerEngineOptimizer(ds_opt, engine)
+            else:
+                engine = initialize(model=child, config=config, dist_init_required=False)[0]
+            setattr(lm, name, engine)   # the LightningModule's code calls the engine in the child's place
+            self._engines[name] = engine
+        self.optimizers = optimizers   # rebuilds the LightningOptimizers that self.optimizers() returns
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def configure_ddp(self) -> None:
+        pass   # nothing is wrapped in DDP: the engines reduce their own gradients
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True   # the engines must exist to load into them
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # each engine's optimizer state is in the set checkpoint
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}     # in the set checkpoint, with its engine
+
+    def _engine_prefixes(self):
+        return tuple(f"{name}." for name in self._engines)
+
+    def lightning_module_state_dict(self) -> dict:
+        """The weights outside the engines (the engines' are in the set checkpoint)."""
+        prefixes = self._engine_prefixes()
+        return {k: v for k, v in self.lightning_module.state_dict().items() if not k.startswith(prefixes)}
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        prefixes = self._engine_prefixes()
+        expected = {k for k in self.lightning_module.state_dict() if not k.startswith(prefixes)}
+        given = checkpoint["state_dict"]
+        if strict and set(given) != expected:
+            raise KeyError(f"MultiDeepSpeedTrainerStrategy: the checkpoint's weights outside the engines are "
+                           f"{sorted(given)}, the module's {sorted(expected)}.")
+        missing, unexpected = self.lightning_module.load_state_dict(given, strict=False)
+        assert not unexpected, unexpected
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("MultiDeepSpeedTrainerStrategy.save_checkpoint(storage_options=...) is not supported: "
+                            "DeepSpeed writes each engine's partitioned state itself.")
+        if not self._engines:
+            raise ValueError("trainer.save_checkpoint: no engines were built yet (they are built when fit starts).")
+        path = self.broadcast(os.fspath(filepath))
+        set_checkpoint.save_checkpoint(path, self._engines, client_state=checkpoint)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        if not self._engines:
+            raise ValueError("ckpt_path=...: MultiDeepSpeedTrainerStrategy resumes a fit (trainer.fit(..., "
+                             "ckpt_path=...)), where the engines exist to load into.")
+        return set_checkpoint.load_checkpoint(self.broadcast(os.fspath(checkpoint_path)), self._engines)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero and os.path.isdir(filepath):
+            import shutil
+            shutil.rmtree(filepath)
+
+    def teardown(self) -> None:
+        lm = self.lightning_module
+        for name, engine in self._engines.items():
+            engine.destroy()   # hands the model back ([Note: destroy() hands the module back])
+            if lm is not None:
+                setattr(lm, name, engine.module)
+        self._engines.clear()
+        super().teardown()
