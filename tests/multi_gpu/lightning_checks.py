@@ -171,3 +171,26 @@ def trainer_gan(tmp):
     assert trainer.current_epoch == 2 and len(resumed.losses) == 6, (trainer.current_epoch, len(resumed.losses))
     loops.compare({"losses": first.losses + resumed.losses, "norms": [], "weights": tl.weights(resumed)},
                   {"losses": full.losses, "norms": [], "weights": tl.weights(full)}, "resumed Trainer GAN", tol=0)
+
+
+def trainer_distillation_and_bad_input():
+    """A frozen teacher attribute at ZeRO-3 beside a ZeRO-2 student, against DDP; a LightningModule
+    with automatic optimization, or one optimizer over two models, is refused before any step."""
+    from lightning.pytorch.strategies import DDPStrategy
+    import lightning_trainer_loops as tl
+    from deepspeed_multi.lightning import MultiDeepSpeedTrainerStrategy
+
+    def ours(**configs):
+        return MultiDeepSpeedTrainerStrategy(config=copy.deepcopy(BASE), configs=configs)
+
+    ref, _ = tl.fit(DDPStrategy(find_unused_parameters=True), epochs=1, module=tl.Distillation())
+    mine, _ = tl.fit(ours(student=zero(2), teacher=zero(3)), epochs=1, module=tl.Distillation())
+    assert mine.seen == {("student", "MultiEngine"), ("teacher", "MultiEngine")}, mine.seen
+    loops.compare({"losses": mine.losses, "norms": [], "weights": {"student": dict(mine.student.named_parameters())}},
+                  {"losses": ref.losses, "norms": [],
+                   "weights": {"student": dict(ref.student.named_parameters())}}, "Trainer distillation")
+    expect_error(ValueError, lambda: tl.fit(ours(), epochs=1, module=tl.Automatic()), "automatic optimization",
+                 "self.automatic_optimization = False")
+    expect_error(ValueError, lambda: tl.fit(ours(), epochs=1, module=tl.OneOptimizer()),
+                 "by model: generator (6), discriminator (6)", "one optimizer per model")
+    expect_error(ValueError, lambda: tl.fit(ours(critic=zero(3)), epochs=1), "configs names ['critic']")

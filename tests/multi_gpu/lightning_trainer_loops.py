@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from common import WORLD_SIZE
-from lightning_loops import LR, Discriminator, Generator, _gen, real_batch
+from lightning_loops import LR, Discriminator, Generator, Student, Teacher, _gen, real_batch, x_batch
 
 
 class GAN(pl.LightningModule):
@@ -63,3 +63,40 @@ def fit(strategy, epochs, module=None, ckpt_path=None, callbacks=()):
 def weights(module):
     return {name: {n: p.detach().clone() for n, p in getattr(module, name).named_parameters()}
             for name in ("generator", "discriminator")}
+
+
+class Distillation(pl.LightningModule):
+    """A trained student and a frozen teacher attribute (no optimizer: its own engine at its own stage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(1)
+        self.student, self.teacher = Student(), Teacher()
+        self.losses, self.seen = [], set()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.student.parameters(), lr=LR, momentum=0.9)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.seen |= {(n, type(getattr(self, n)).__name__) for n in ("student", "teacher")}
+        x = x_batch(int(batch[0]), self.global_rank)
+        with torch.no_grad():
+            target = self.teacher(x)
+        loss = F.mse_loss(self.student(x), target)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        self.losses.append(float(loss))
+
+
+class Automatic(GAN):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = True
+
+
+class OneOptimizer(GAN):
+    def configure_optimizers(self):
+        return torch.optim.Adam(list(self.generator.parameters()) + list(self.discriminator.parameters()))

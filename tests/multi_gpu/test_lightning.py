@@ -22,3 +22,7 @@ def test_fabric_bad_input():
 
 def test_trainer_gan_against_ddp_and_resume(tmp_path):
     run_distributed(checks.trainer_gan, str(tmp_path))
+
+
+def test_trainer_distillation_and_bad_input():
+    run_distributed(checks.trainer_distillation_and_bad_input)
