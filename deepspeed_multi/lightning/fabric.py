@@ -11,6 +11,8 @@ Differences from Lightning's ``DeepSpeedStrategy`` (its config arguments are acc
   accumulation] in integrations/engine_steps.py); ``fabric.no_backward_sync(model)`` is accepted
   and changes nothing: ZeRO-0/1 engines reduce at the update only, ZeRO-2/3 engines reduce-scatter
   in every backward to partition their gradients, exact either way.
+* ``model.zero_grad()`` on what ``fabric.setup`` returned clears the engine's gradients too
+  ([Note: zero_grad() on a model that holds an engine] in zero_grad.py).
 * ``fabric.clip_gradients(model, optimizer, max_norm=x)`` returns the gradient norm of that
   model's update, which runs there (DeepSpeed clips inside the update, at the config's
   ``gradient_clipping``, which must be x); the ``optimizer.step()`` after it does nothing.
@@ -52,6 +54,7 @@ from ..integrations.engine_steps import EngineSteps, caller_owns_accumulation
 from . import configs as per_model
 from .configs import with_config
 from .versions import check_lightning
+from .zero_grad import WrapperWatch
 
 __all__ = ["MultiDeepSpeedStrategy", "with_config"]
 
@@ -105,6 +108,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._backward_sync_control = _EngineSyncControl()
         self._engines = []                     # in the order set up
         self._set_up = weakref.WeakSet()       # the modules given to setup, to refuse a second setup
+        self._wrapper_watch = WrapperWatch()   # model.zero_grad() reaches the engine (zero_grad.py)
 
     @property
     def config(self) -> dict:
@@ -191,6 +195,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                                              config=config, dist_init_required=False)
         caller_owns_accumulation(engine)
         self._register(module, engine)
+        self._wrapper_watch.watch(engine)
         return engine, [EngineOptimizer(optimizer, engine)], scheduler
 
     def setup_module(self, module):
@@ -284,6 +289,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         return client_state
 
     def teardown(self) -> None:
+        self._wrapper_watch.close()
         for engine in self._engines:
             engine.destroy()
         self._engines.clear()

@@ -15,7 +15,8 @@ attribute (a direct child module):
 config per model under Lightning] in configs.py). The LightningModule uses manual optimization
 (``self.automatic_optimization = False``), as Lightning's own GAN examples are written:
 ``self.manual_backward(loss)`` is one backward through every engine the loss reaches, each
-optimizer's ``step()``/``zero_grad()`` is its own engine's, and the loop owns accumulation
+optimizer's ``step()``/``zero_grad()`` is its own engine's (``self.zero_grad()`` reaches every
+engine: zero_grad.py), and the loop owns accumulation
 ([Note: the caller owns gradient accumulation] in integrations/engine_steps.py). Runs in fp32
 (``precision="32-true"``).
 
@@ -41,6 +42,7 @@ from ..integrations.engine_steps import caller_owns_accumulation
 from . import configs as per_model
 from .fabric import EngineOptimizer
 from .versions import check_lightning
+from .zero_grad import route, unroute
 
 __all__ = ["MultiDeepSpeedTrainerStrategy"]
 
@@ -165,6 +167,7 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
             setattr(lm, name, engine)   # the LightningModule's code calls the engine in the child's place
             self._engines[name] = engine
         self.optimizers = optimizers   # rebuilds the LightningOptimizers that self.optimizers() returns
+        route(lm, self._engines.values())   # self.zero_grad() reaches the engines (zero_grad.py)
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -224,6 +227,8 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         lm = self.lightning_module
+        if lm is not None:
+            unroute(lm)
         for name, engine in self._engines.items():
             engine.destroy()   # hands the model back ([Note: destroy() hands the module back])
             if lm is not None:

@@ -51,13 +51,16 @@ GAN_CLIPPED = {"Generator": zero(2, clip=0.1), "Discriminator": zero(1, clip=0.1
 
 
 def fabric_programs():
-    """GAN (G ZeRO-2, D ZeRO-1), with and without clipping; distillation (student ZeRO-2, frozen
+    """GAN (G ZeRO-2, D ZeRO-1), with and without clipping, and both at ZeRO-2 cleared by model.zero_grad(); distillation (student ZeRO-2, frozen
     teacher ZeRO-3) with fabric.backward and with loss.backward(); text encoder (ZeRO-3, frozen) +
     VAE (ZeRO-0, frozen) + UNet (ZeRO-2) at accumulation 2."""
     gan = [("Generator", 2, True), ("Discriminator", 1, True)]
     against_ddp(loops.gan, GAN, "GAN", gan)
     ours = against_ddp(loops.gan, GAN_CLIPPED, "GAN clipped", gan, clip=0.1)
     assert len(ours["norms"]) == 6 and max(ours["norms"]) > 0.1, ours["norms"]   # some updates were clipped
+    # Fabric's DCGAN clears gradients with netD.zero_grad(): D at ZeRO-2 holds G's-loss gradients in its partitions
+    against_ddp(loops.gan, {"Generator": zero(2), "Discriminator": zero(2)}, "GAN, model.zero_grad()",
+                [("Generator", 2, True), ("Discriminator", 2, True)], module_zero_grad=True)
     distill = {"Student": zero(2), "Teacher": zero(3)}
     built = [("Student", 2, True), ("Teacher", 3, False)]
     against_ddp(loops.distillation, distill, "distillation", built)

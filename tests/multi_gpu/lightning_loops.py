@@ -138,14 +138,14 @@ def gan_setup(fabric, seed=0):
     return {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d}
 
 
-def gan_steps(fabric, s, start, stop, clip=None, out=None):
+def gan_steps(fabric, s, start, stop, clip=None, out=None, module_zero_grad=False):
     """Lightning's DCGAN loop: D on real and fake (two backward passes), then G through D."""
     out = out if out is not None else {"losses": [], "norms": []}
     g, d, opt_g, opt_d = s["g"], s["d"], s["opt_g"], s["opt_d"]
     for step in range(start, stop):
         real = real_batch(step, fabric.global_rank)
         noise = torch.randn(real.shape[0], 4)            # the global RNG: restored by fabric.load
-        opt_d.zero_grad()
+        (d.zero_grad if module_zero_grad else opt_d.zero_grad)()
         err_real = F.binary_cross_entropy_with_logits(d(real), torch.ones(real.shape[0]))
         fabric.backward(err_real)
         fake = g(noise)
@@ -154,7 +154,7 @@ def gan_steps(fabric, s, start, stop, clip=None, out=None):
         if clip:
             out["norms"].append(float(fabric.clip_gradients(d, opt_d, max_norm=clip)))
         opt_d.step()
-        opt_g.zero_grad()
+        (g.zero_grad if module_zero_grad else opt_g.zero_grad)()
         err_g = F.binary_cross_entropy_with_logits(d(fake), torch.ones(real.shape[0]))
         fabric.backward(err_g)                           # reaches G through D: D's gradients are dropped above
         if clip:
@@ -165,9 +165,9 @@ def gan_steps(fabric, s, start, stop, clip=None, out=None):
     return out
 
 
-def gan(fabric, steps=3, clip=None):
+def gan(fabric, steps=3, clip=None, module_zero_grad=False):
     s = gan_setup(fabric)
-    out = gan_steps(fabric, s, 0, steps, clip=clip)
+    out = gan_steps(fabric, s, 0, steps, clip=clip, module_zero_grad=module_zero_grad)
     out["weights"] = trained_weights({"g": s["g"], "d": s["d"]})
     return out
 

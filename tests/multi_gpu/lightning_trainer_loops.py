@@ -87,7 +87,7 @@ class Distillation(pl.LightningModule):
         loss = F.mse_loss(self.student(x), target)
         self.manual_backward(loss)
         opt.step()
-        opt.zero_grad()
+        self.zero_grad()                       # the module's zero_grad, as LightningModules often do
         self.losses.append(float(loss))
 
 
