@@ -19,6 +19,8 @@ Differences from Lightning's ``DeepSpeedStrategy`` (its config arguments are acc
 * ``fabric.save``/``fabric.load`` with several engines in the state write and read one set
   checkpoint (``deepspeed_multi.save_checkpoint``), atomic across engines and ranks; the other
   entries of the state travel as its client state.
+* ``fabric.init_module()`` partitions at construction when the strategy's config is ZeRO-3;
+  ``fabric.strategy.init_module("ClassName")`` does so by that model's own config.
 * Runs on CPU too (``DS_ACCELERATOR=cpu``, gloo), with Fabric's ``accelerator="cpu"``.
 
 [Note: why the strategy is a DDPStrategy and not a DeepSpeedStrategy]
@@ -49,7 +51,9 @@ from lightning.fabric.utilities.load import _move_state_into
 
 from .. import checkpoint as set_checkpoint
 from ..engine import MultiEngine
+from ..config import zero_stage
 from ..initialize import initialize
+from ..integrations.zero_init import zero_init
 from ..integrations.engine_steps import EngineSteps, caller_owns_accumulation
 from . import configs as per_model
 from .configs import with_config
@@ -216,6 +220,31 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     def module_to_device(self, module) -> None:
         module.to(self.root_device)
+
+    def module_init_context(self, empty_init=None):
+        """``fabric.init_module()``: under the strategy's own config (see :meth:`init_module`)."""
+        return self.init_module(None, empty_init)
+
+    @contextlib.contextmanager
+    def init_module(self, name: Optional[str] = None, empty_init=None):
+        """Build a model under its own config: ``with fabric.strategy.init_module("Teacher"): ...``
+        (the class name, as in ``configs=``). A ZeRO-3 config partitions the parameters at
+        construction (``deepspeed_multi.zero_init``); another builds a plain model, as
+        ``fabric.init_module()`` under DDP does. ``None``: the strategy's own config."""
+        if name is not None and name not in self._by_class:
+            raise ValueError(f"init_module({name!r}): configs= has no config for {name!r} (it has "
+                             f"{sorted(self._by_class)}); the model would be built under the strategy's config.")
+        own = per_model.load_config(self._by_class[name]) if name is not None else None
+        config = per_model.for_model(self._template, self.precision.precision, own, name or "the model", trains=False)
+        if zero_stage(config) != 3:
+            with super().module_init_context(empty_init):
+                yield
+            return
+        if empty_init is False:
+            raise NotImplementedError("init_module(empty_init=False) under a ZeRO-3 config: the parameters are "
+                                      "partitioned as they are built, never materialized whole.")
+        with self.precision.module_init_context(), zero_init(config):
+            yield
 
     # ------------------------------------------------------------------ clipping
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):

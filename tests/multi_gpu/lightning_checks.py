@@ -1,5 +1,6 @@
 """Rank functions for test_lightning.py: each Fabric program under DDP and under
 MultiDeepSpeedStrategy in the same ranks, compared rank by rank (see lightning_loops.py)."""
+import contextlib
 import copy
 
 import torch
@@ -65,6 +66,10 @@ def fabric_programs():
     built = [("Student", 2, True), ("Teacher", 3, False)]
     against_ddp(loops.distillation, distill, "distillation", built)
     against_ddp(loops.distillation, distill, "distillation, loss.backward()", built, plain_backward=True)
+    ours = against_ddp(loops.distillation, distill, "distillation, teacher partitioned at construction", built,
+                       teacher_init=lambda f: f.strategy.init_module("Teacher") if hasattr(f.strategy, "init_module")
+                       else contextlib.nullcontext())
+    assert ours["partitioned_at_construction"], "init_module('Teacher') did not partition at construction"
     against_ddp(loops.text_to_image, {"TextEncoder": zero(3), "VAE": zero(0), "UNet": zero(2)}, "text-to-image",
                 [("TextEncoder", 3, False), ("VAE", 0, False), ("UNet", 2, True)])
 

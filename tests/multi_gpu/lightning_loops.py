@@ -5,6 +5,8 @@ Each program returns what the comparison needs: every rank's losses (each rank s
 batches, so the two runs must agree rank by rank), the gradient norms clip_gradients returned, and
 the full final weights of the trained models.
 """
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -172,9 +174,14 @@ def gan(fabric, steps=3, clip=None, module_zero_grad=False):
     return out
 
 
-def distillation(fabric, steps=3, plain_backward=False):
+def distillation(fabric, steps=3, plain_backward=False, teacher_init=None):
+    """``teacher_init(fabric)``: the context the teacher is built in (MultiDeepSpeedStrategy's
+    init_module("Teacher") partitions it at construction)."""
     torch.manual_seed(1)
-    student, teacher = Student(), Teacher()
+    student = Student()
+    with teacher_init(fabric) if teacher_init else contextlib.nullcontext():
+        teacher = Teacher()
+    partitioned = all(hasattr(p, "ds_id") for p in teacher.parameters())
     opt = torch.optim.SGD(student.parameters(), lr=LR, momentum=0.9)
     student, opt = fabric.setup(student, opt)
     teacher = fabric.setup(teacher)                      # frozen: no optimizer
@@ -192,6 +199,7 @@ def distillation(fabric, steps=3, plain_backward=False):
         opt.zero_grad()
         out["losses"].append(float(loss))
     out["weights"] = trained_weights({"student": student})
+    out["partitioned_at_construction"] = partitioned
     return out
 
 
