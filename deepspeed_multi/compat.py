@@ -163,6 +163,19 @@ def _version_tuple(text: str) -> Tuple[int, ...]:
     return Version(text).release
 
 
+def check_tested_release(integration: str, package: str, installed: str, tested, extra: str, switch: str,
+                         anyway: str) -> None:
+    """Refuse ``package`` ``installed`` unless its major.minor is one of ``tested`` (or ``switch`` is on):
+    an integration relies on that package's code paths as they were measured."""
+    from .switches import switch_on
+    if _version_tuple(installed)[:2] in [_version_tuple(t) for t in tested] or switch_on(switch, False):
+        return
+    listed = " and ".join(f"{t}.x" for t in tested)
+    raise RuntimeError(f"{integration} was tested with {package} {listed}; this environment has {package} "
+                       f"{installed}. Install {package}=={tested[-1]}.* (pip install 'deepspeed_multi[{extra}]'), "
+                       f"or set {switch}=1 to run {anyway}.")
+
+
 def installed_version() -> str:
     import deepspeed
     return deepspeed.__version__

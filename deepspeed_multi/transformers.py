@@ -44,7 +44,6 @@ import functools
 import math
 import sys
 
-import torch
 
 from . import compat
 from .accelerate.accelerator import ENGINES, Accelerator
@@ -54,7 +53,7 @@ from .engine import MultiEngine
 from .parts.engine import PartedEngine
 from .integrations import trl_stages
 from .integrations.engine_steps import caller_owns_accumulation
-from .switches import ALLOW_UNTESTED_TRAINERS, switch_on
+from .switches import ALLOW_UNTESTED_TRAINERS
 
 # The releases (major.minor) deepspeed_multi.transformers is measured with (tests/multi_gpu/test_trainer.py):
 # make test runs the newest in full (requirements-test.txt) and the oldest transformers beside the oldest
@@ -114,12 +113,7 @@ class TrainerAccelerator(Accelerator):
                     f"without clipping (TrainingArguments.max_grad_norm is 0), but this engine's DeepSpeed config "
                     f"clips at gradient_clipping={configured}. Set TrainingArguments(max_grad_norm={configured}), or "
                     "\"gradient_clipping\": \"auto\" (or 0) in the config.")
-        self._optimizer_of(engine).step_now()
-        norm = engine.get_global_grad_norm()
-        if norm is None:
-            raise RuntimeError(f"clip_grad_norm_: DeepSpeed computed no gradient norm for {type(engine.module).__name__} "
-                               f"at ZeRO stage {engine.zero_optimization_stage()}. Use ZeRO stage 1-3.")
-        return torch.as_tensor(float(norm))
+        return self._optimizer_of(engine).update_for_norm("clip_grad_norm_")
 
 
     def _kept_engines(self) -> list:
@@ -264,16 +258,10 @@ def check_versions(cls) -> None:
     import importlib.metadata as md
     packages = ["transformers"] + (["trl"] if cls.__module__.split(".")[0] == "trl" else [])
     for package in packages:
-        installed = md.version(package)
-        tested = TESTED[package]
-        if (compat._version_tuple(installed)[:2] not in [compat._version_tuple(t) for t in tested]
-                and not switch_on(ALLOW_UNTESTED_TRAINERS, False)):
-            listed = " and ".join(f"{t}.x" for t in tested)
-            raise RuntimeError(
-                f"deepspeed_multi.transformers was tested with {package} {listed}; this environment has "
-                f"{package} {installed}. Install {package}=={tested[-1]}.* (pip install 'deepspeed_multi[trl]'), "
-                f"or set {ALLOW_UNTESTED_TRAINERS}=1 to run {cls.__name__} anyway (compare its losses with a DDP run "
-                "first: the Trainer's accumulation and clipping calls are what this integration depends on).")
+        compat.check_tested_release(
+            "deepspeed_multi.transformers", package, md.version(package), TESTED[package], "trl",
+            ALLOW_UNTESTED_TRAINERS, f"{cls.__name__} anyway (compare its losses with a DDP run first: the Trainer's "
+            "accumulation and clipping calls are what this integration depends on)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,6 @@ without an "fp16"/"bf16" section gets X, an "auto" ``enabled`` becomes X, an exp
 by Accelerate). Plugins and configs given later to ``prepare`` get the same treatment.
 """
 import contextlib
-import math
 import os
 
 import accelerate
@@ -42,6 +41,7 @@ ENGINES = (MultiEngine, PartedEngine)  # what prepare() builds: one engine per m
 from . import plugins as _plugins
 from ._routing import multi_engine_initialize
 from .cpu_world import sync_world_size
+from ..integrations.engine_steps import refuse_other_clipping
 from .wrappers import EngineOptimizer, UpdateScheduler
 
 
@@ -185,12 +185,8 @@ class Accelerator(accelerate.Accelerator):
         """The engine ``parameters`` belong to, if its config clips the 2-norm at ``max_norm``; else
         refuse (with ``fix``): clipping here at another value would be silently ignored."""
         engine = self._engine_of("clip_grad_norm_", params=list(parameters))
-        configured = engine.gradient_clipping()
-        if norm_type != 2 or not configured or not math.isclose(configured, max_norm):
-            raise ValueError(
-                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) for {type(engine.module).__name__}: "
-                f"DeepSpeed clips the 2-norm inside the update at the config's gradient_clipping, which is "
-                f"{configured} for this engine. {fix}")
+        refuse_other_clipping(engine, max_norm, norm_type, f"clip_grad_norm_(max_norm={max_norm}, "
+                              f"norm_type={norm_type}) for {type(engine.module).__name__}", fix)
         return engine
 
     @contextlib.contextmanager

@@ -17,6 +17,10 @@ loss themselves if they want a mean. :func:`caller_owns_accumulation` makes an e
 that: it updates at every ``step()`` and applies no 1/gas of its own (its fp16 loss scale stays).
 """
 
+import math
+
+import torch
+
 
 def _applied_updates(engine) -> int:
     return engine.global_steps - engine.skipped_steps
@@ -29,6 +33,15 @@ def caller_owns_accumulation(engine) -> None:
                            "pass; set the model up before training it.")
     engine._user_managed_boundary = True
     engine._caller_scales_loss = True
+
+
+def refuse_other_clipping(engine, max_norm, norm_type, what: str, fix: str) -> None:
+    """DeepSpeed clips the 2-norm inside the update at the config's ``gradient_clipping``: a call that
+    asks for another clipping is refused (with ``fix``), since clipping at it would be silently ignored."""
+    configured = engine.gradient_clipping()
+    if norm_type != 2 or not configured or not math.isclose(configured, max_norm):
+        raise ValueError(f"{what}: DeepSpeed clips the 2-norm inside the update at the config's gradient_clipping, "
+                         f"which is {configured} for this engine. {fix}")
 
 
 class EngineSteps:
@@ -62,6 +75,15 @@ class EngineSteps:
         reads the window's gradient norm before it steps: DeepSpeed computes the norm in the update)."""
         self.step()
         self._stepped_early = True
+
+    def update_for_norm(self, what: str) -> torch.Tensor:
+        """This window's update now (``step_now``); its gradient norm, which DeepSpeed computes there."""
+        self.step_now()
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            raise RuntimeError(f"{what}: DeepSpeed computed no gradient norm for {type(self.engine.module).__name__} "
+                               f"at ZeRO stage {self.engine.zero_optimization_stage()}. Use ZeRO stage 1-3.")
+        return torch.as_tensor(float(norm))
 
     def zero_grad(self, set_to_none=None):
         """Discard the engine's gradients, except inside an accumulation window.

@@ -4,11 +4,11 @@ One change for the user, the strategy::
 
     fabric = Fabric(strategy=MultiDeepSpeedStrategy(config=ds_config), devices=2)
 
-(``from deepspeed_multi.lightning import MultiDeepSpeedStrategy``); for the PyTorch Lightning
-Trainer, ``Trainer(strategy=MultiDeepSpeedTrainerStrategy(config=..., configs={...}))`` (trainer.py). Every ``fabric.setup(model,
+(``from deepspeed_multi.lightning import MultiDeepSpeedStrategy``). Every ``fabric.setup(model,
 optimizer)`` then builds a :class:`~deepspeed_multi.MultiEngine` with the model's own config
 (see fabric.py), and the rest of the loop is the one written for DDP. Importing this package
-does not import Lightning; the strategy is built on first use.
+does not import Lightning; the strategy is built on first use. For the PyTorch Lightning Trainer:
+``Trainer(strategy=MultiDeepSpeedTrainerStrategy(config=..., configs={...}))`` (trainer.py).
 """
 from .versions import TESTED, check_lightning
 

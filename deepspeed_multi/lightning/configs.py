@@ -11,8 +11,9 @@ section of a config that has none, as Lightning's DeepSpeedStrategy does; a conf
 section says otherwise is refused. The loop owns gradient accumulation ([Note: the caller owns
 gradient accumulation] in integrations/engine_steps.py), so ``gradient_accumulation_steps`` must
 stay 1; it clips where it calls ``fabric.clip_gradients``, so a config without
-``gradient_clipping`` clips nothing (DeepSpeed's own default clips at 1.0), and a model's micro-batch size may not differ from the strategy's: DeepSpeed's batch
-bookkeeping would then describe another loop than the one that runs.
+``gradient_clipping`` clips nothing (DeepSpeed's own default clips at 1.0); and a model's
+micro-batch size may not differ from the strategy's: DeepSpeed's batch bookkeeping would then
+describe another loop than the one that runs.
 """
 import copy
 import weakref

@@ -34,7 +34,6 @@ builds from its arguments, and uses Lightning's ``DeepSpeedPrecision`` with the 
 """
 import argparse
 import contextlib
-import math
 import os
 import weakref
 from datetime import timedelta
@@ -54,7 +53,7 @@ from ..engine import MultiEngine
 from ..config import zero_stage
 from ..initialize import initialize
 from ..integrations.zero_init import zero_init
-from ..integrations.engine_steps import EngineSteps, caller_owns_accumulation
+from ..integrations.engine_steps import EngineSteps, caller_owns_accumulation, refuse_other_clipping
 from . import configs as per_model
 from .configs import with_config
 from .versions import check_lightning
@@ -155,8 +154,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     def _engine_config(self, module, trains: bool) -> dict:
-        return per_model.for_model(self._template, self.precision.precision, per_model.own_config(module, self._by_class),
-                                   type(module).__name__, trains)
+        own = per_model.own_config(module, self._by_class)
+        return per_model.for_model(self._template, self.precision.precision, own, type(module).__name__, trains)
 
     def _check_new(self, module, what: str) -> None:
         if isinstance(module, MultiEngine) or module in self._set_up:
@@ -254,21 +253,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             raise ValueError("fabric.clip_gradients(model, optimizer, ...): pass a model and its own optimizer as "
                              "fabric.setup(model, optimizer) returned them.")
         name = type(module.module).__name__
-        configured = module.gradient_clipping()
-        if norm_type != 2 or not configured or not math.isclose(configured, max_norm):
-            raise ValueError(
-                f"fabric.clip_gradients({name}, max_norm={max_norm}, norm_type={norm_type}): DeepSpeed clips the "
-                f"2-norm inside the update at the config's gradient_clipping, which is {configured} for {name}. Set "
-                f"\"gradient_clipping\": {max_norm} in its DeepSpeed config.")
+        refuse_other_clipping(module, max_norm, norm_type,
+                              f"fabric.clip_gradients({name}, max_norm={max_norm}, norm_type={norm_type})",
+                              f"Set \"gradient_clipping\": {max_norm} in its DeepSpeed config.")
         if not module._window_backwards:
             raise RuntimeError(f"fabric.clip_gradients({name}): no backward pass reached {name} since its last "
                                "update; call it after fabric.backward and before optimizer.step().")
-        optimizer.step_now()
-        norm = module.get_global_grad_norm()
-        if norm is None:
-            raise RuntimeError(f"fabric.clip_gradients({name}): DeepSpeed computed no gradient norm at ZeRO stage "
-                               f"{module.zero_optimization_stage()}. Use ZeRO stage 1-3 for a clipped model.")
-        norm = torch.as_tensor(float(norm))
+        norm = optimizer.update_for_norm(f"fabric.clip_gradients({name})")
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"fabric.clip_gradients({name}): the gradient norm is {float(norm)}.")
         return norm

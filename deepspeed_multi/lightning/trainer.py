@@ -29,14 +29,12 @@ import os
 from datetime import timedelta
 from typing import Any, Optional
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy as FabricDeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import checkpoint as set_checkpoint
-from ..engine import MultiEngine
 from ..initialize import initialize
 from ..integrations.engine_steps import caller_owns_accumulation
 from . import configs as per_model

@@ -71,6 +71,24 @@ def plain_deepspeed(module, **kwargs):
     return CPUDeepSpeedStrategy(**kwargs)
 
 
+def strategy(choice, config, configs, trainer=False):
+    """The strategy ``--strategy`` names, over the example's DeepSpeed ``config`` (each model's own
+    ``configs`` over it, for ours): the one line a user changes."""
+    if choice == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+        # the Trainer's GAN runs backward passes that reach one of its two models
+        return DDPStrategy(find_unused_parameters=True) if trainer else "ddp"
+    if choice == "deepspeed":
+        if trainer:
+            from lightning.pytorch import strategies
+        else:
+            from lightning.fabric import strategies
+        return plain_deepspeed(strategies, config=config)
+    from deepspeed_multi import lightning
+    cls = lightning.MultiDeepSpeedTrainerStrategy if trainer else lightning.MultiDeepSpeedStrategy
+    return cls(config=config, configs=configs)
+
+
 def check_falling(print_fn, name, history, short):
     """Print first vs last losses (means over a fifth of the run); fail if the loss did not fall."""
     k = max(1, len(history) // 5)

@@ -2,7 +2,8 @@
 teacher (ZeRO-3, set up without an optimizer, partitioned over the ranks). The loop is written as
 for DDP; only the strategy line is deepspeed_multi's.
 
-    torchrun --standalone --nproc_per_node=2 examples/lightning/fabric_distillation.py [--short] [--strategy ddp|deepspeed]
+    torchrun --standalone --nproc_per_node=2 examples/lightning/fabric_distillation.py [--short]
+        [--strategy ddp|deepspeed]
 """
 import torch
 import torch.nn as nn
@@ -39,22 +40,13 @@ class Student(nn.Module):
         return self.net(x)
 
 
-def strategy(choice):
-    config = _common.config(2, MICRO_BS)
-    if choice == "ddp":
-        return "ddp"
-    if choice == "deepspeed":
-        from lightning.fabric import strategies
-        return _common.plain_deepspeed(strategies, config=config)
-    from deepspeed_multi.lightning import MultiDeepSpeedStrategy
-    return MultiDeepSpeedStrategy(config=config, configs={"Teacher": {"zero_optimization": {"stage": 3}}})
-
-
 def main():
     from lightning.fabric import Fabric
     args = _common.parser(__doc__, steps=200).parse_args()
     steps = 30 if args.short else args.steps
-    fabric = Fabric(accelerator=_common.accelerator(), devices=_common.devices(), strategy=strategy(args.strategy))
+    strategy = _common.strategy(args.strategy, _common.config(2, MICRO_BS),
+                                configs={"Teacher": {"zero_optimization": {"stage": 3}}})
+    fabric = Fabric(accelerator=_common.accelerator(), devices=_common.devices(), strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
     teacher, student = Teacher(), Student()

@@ -40,22 +40,13 @@ def real_images(step, rank):
     return torch.tanh(pattern + 0.1 * torch.randn(MICRO_BS, IMAGE, generator=g))
 
 
-def strategy(choice):
-    config = _common.config(2, MICRO_BS)
-    if choice == "ddp":
-        return "ddp"
-    if choice == "deepspeed":
-        from lightning.fabric import strategies
-        return _common.plain_deepspeed(strategies, config=config)
-    from deepspeed_multi.lightning import MultiDeepSpeedStrategy
-    return MultiDeepSpeedStrategy(config=config, configs={"Discriminator": {"zero_optimization": {"stage": 1}}})
-
-
 def main():
     from lightning.fabric import Fabric
     args = _common.parser(__doc__, steps=150).parse_args()
     steps = 40 if args.short else args.steps
-    fabric = Fabric(accelerator=_common.accelerator(), devices=_common.devices(), strategy=strategy(args.strategy))
+    strategy = _common.strategy(args.strategy, _common.config(2, MICRO_BS),
+                                configs={"Discriminator": {"zero_optimization": {"stage": 1}}})
+    fabric = Fabric(accelerator=_common.accelerator(), devices=_common.devices(), strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
     generator, discriminator = Generator(), Discriminator()

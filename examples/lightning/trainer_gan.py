@@ -55,25 +55,15 @@ def module_class():
     return GAN
 
 
-def strategy(choice):
-    config = _common.config(2, MICRO_BS)
-    if choice == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-        return DDPStrategy(find_unused_parameters=True)
-    if choice == "deepspeed":
-        from lightning.pytorch import strategies
-        return _common.plain_deepspeed(strategies, config=config)
-    from deepspeed_multi.lightning import MultiDeepSpeedTrainerStrategy
-    return MultiDeepSpeedTrainerStrategy(config=config, configs={"discriminator": {"zero_optimization": {"stage": 1}}})
-
-
 def main():
     import lightning.pytorch as pl
     args = _common.parser(__doc__, steps=150).parse_args()
     steps = 40 if args.short else args.steps
     torch.manual_seed(0)
     module = module_class()()
-    trainer = pl.Trainer(strategy=strategy(args.strategy), accelerator=_common.accelerator(),
+    strategy = _common.strategy(args.strategy, _common.config(2, MICRO_BS),
+                                configs={"discriminator": {"zero_optimization": {"stage": 1}}}, trainer=True)
+    trainer = pl.Trainer(strategy=strategy, accelerator=_common.accelerator(),
                          devices=_common.devices(), max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     data = DataLoader(TensorDataset(torch.arange(steps * _common.devices())), batch_size=1)

@@ -52,9 +52,10 @@ GAN_CLIPPED = {"Generator": zero(2, clip=0.1), "Discriminator": zero(1, clip=0.1
 
 
 def fabric_programs():
-    """GAN (G ZeRO-2, D ZeRO-1), with and without clipping, and both at ZeRO-2 cleared by model.zero_grad(); distillation (student ZeRO-2, frozen
-    teacher ZeRO-3) with fabric.backward and with loss.backward(); text encoder (ZeRO-3, frozen) +
-    VAE (ZeRO-0, frozen) + UNet (ZeRO-2) at accumulation 2."""
+    """GAN (G ZeRO-2, D ZeRO-1), with and without clipping, and both at ZeRO-2 cleared by
+    model.zero_grad(); distillation (student ZeRO-2, frozen teacher ZeRO-3) with fabric.backward, with
+    loss.backward() and with the teacher partitioned at construction; text encoder (ZeRO-3, frozen)
+    + VAE (ZeRO-0, frozen) + UNet (ZeRO-2) at accumulation 2."""
     gan = [("Generator", 2, True), ("Discriminator", 1, True)]
     against_ddp(loops.gan, GAN, "GAN", gan)
     ours = against_ddp(loops.gan, GAN_CLIPPED, "GAN clipped", gan, clip=0.1)
