@@ -47,7 +47,7 @@ $(STAMP_OLDEST): setup.py Makefile requirements-test.txt
 	$(PY_OLDEST) -m pip install -q --upgrade pip
 	$(PY_OLDEST) -m pip install -q "$(TORCH_SPEC)"
 	printf '%s\n' "$(TORCH_SPEC)" "deepspeed==$(DS_OLDEST)" "transformers==$(TRANSFORMERS_OLDEST)" > $(VENV_OLDEST)/constraint.txt
-	grep -v '^deepspeed\|^transformers\|^trl\|^peft' requirements-test.txt > $(VENV_OLDEST)/requirements.txt
+	grep -v '^deepspeed\|^transformers\|^trl\|^peft\|^lightning' requirements-test.txt > $(VENV_OLDEST)/requirements.txt
 	$(PY_OLDEST) -m pip install -q -c $(VENV_OLDEST)/constraint.txt "deepspeed==$(DS_OLDEST)" \
 	  "transformers==$(TRANSFORMERS_OLDEST)" -r $(VENV_OLDEST)/requirements.txt
 	$(PY_OLDEST) -m pip install -q --no-deps -e .
