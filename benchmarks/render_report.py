@@ -89,7 +89,7 @@ class Report:
         cpu = m.get("cpu") or "CPU model unknown"
         cores = self.fig(m.get("cpus"), "d") + " cores" if m.get("cpus") else "cores unknown"
         ds = self.fig(m.get("deepspeed")) if m.get("deepspeed") else "unknown"
-        return (f"_Run: `{rel}`: {cpu}, {cores}, {where}, torch {self.fig(m.get('torch'))}, DeepSpeed {ds}, "
+        return (f"_Run: `{rel}`: {self.fig(cpu)}, {cores}, {self.fig(where)}, torch {self.fig(m.get('torch'))}, DeepSpeed {ds}, "
                 f"{self.fig(m.get('time')) if m.get('time') else 'date unknown'}._")
 
     # ------------------------------------------------------------------ layout
@@ -134,6 +134,11 @@ class Report:
                              self.fig(r["ours_ms"], ".1f"),
                              self.ratio(r["raw_ms"]["ours"], r["raw_ms"]["upstream"])])
             self.table(["stage", "dtype", "upstream ms", "ours ms", "ours / upstream (IQR)"], rows)
+            if card == "GPU":
+                self.headline(f"one engine on one {self.fig(data['meta']['gpu'])}, one rank, fp32 / bf16",
+                              "upstream `engine.backward(loss)`",
+                              " / ".join(self.fig(r["ratio"]) for r in data["rows"] if r["dtype"] == "fp32") + ", " +
+                              " / ".join(self.fig(r["ratio"]) for r in data["rows"] if r["dtype"] == "bf16"))
             if card == "CPU":
                 self.headline("one engine, `loss.backward()`, ZeRO-1/2/3 fp32",
                               "upstream `engine.backward(loss)`",
@@ -234,13 +239,13 @@ class Report:
         for stages in dict.fromkeys(r["stages"] for r in data["engines"]):
             for wiring in dict.fromkeys(r["wiring"] for r in data["engines"]):
                 cells = {r["n"]: r for r in data["engines"] if r["stages"] == stages and r["wiring"] == wiring}
-                row = [stages, wiring]
+                row = [self.fig(stages), wiring]
                 for n in ns:
                     r = cells.get(n)
                     row.append(self.ratio(r["ours"], r["super-module"]) if r else "-")
                 rows.append(row)
                 if has_up:
-                    rows.append([stages, wiring + ", / DeepSpeed's N engines"] + [
+                    rows.append([self.fig(stages), wiring + ", / DeepSpeed's N engines"] + [
                         self.ratio(cells[n]["ours"], cells[n]["upstream"]) if n in cells and "upstream" in cells[n]
                         else "-" for n in ns])
         self.out("Ours / super-module (paired median, IQR) by number of engines N:", "")
@@ -291,10 +296,9 @@ class Report:
                      "MiB per rank after the last backward, by holder; peak of live tensors over a step / FSDP2's "
                      "(median over repeats, with their range):", "")
             self.memory_table(mem, "peak_live_mb")
-            for r in mem["rows"]:
-                if r["variant"].startswith("ours, block") and r["size"] == "large":
-                    self.headline(f"peak live tensors, encoder -> LLM large, {r['dtype']}, per-block settings",
-                                  "PyTorch FSDP2", self.fig(r["live_ratio"], ".2f"))
+            block = [r for r in mem["rows"] if r["variant"].startswith("ours, block") and r["size"] == "large"]
+            self.headline("peak live tensors, encoder -> LLM large, per-block settings", "PyTorch FSDP2",
+                          ", ".join(f"{r['dtype']} {self.fig(r['live_ratio'], '.2f')}" for r in block))
             self.plot("memory_breakdown.png")
         for card in self.cards():
             gpu = self.load(f"{card}/memory_breakdown_bucket.json")
@@ -342,11 +346,11 @@ class Report:
             rows.append([r["size"], self.fig(r["params"], ",d"), r["dtype"], r["variant"], self.fig(r["ms"], ".1f"),
                          "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]), self.fig(r["peak_mb"], ".1f"),
                          "-" if r is ours else self.fig(r["ours_mem_ratio"])])
-            if r["variant"].startswith("whole"):
-                self.headline(f"one model in parts, {r['size']}, {r['dtype']}", "whole model in one ZeRO-3 engine",
-                              f"time {self.fig(r['ours_time_ratio'])}, memory {self.fig(r['ours_mem_ratio'])}")
         self.table(["size", "parameters", "dtype", "variant", "ms", "ours / this, time (IQR)", "peak MiB",
                     "ours / this, memory"], rows)
+        whole = [r for r in data["rows"] if r["variant"].startswith("whole")]
+        self.headline("one model in parts (LLM ZeRO-3, the rest ZeRO-2), time", "whole model in one ZeRO-3 engine",
+                      "; ".join(f"{r['size']} {r['dtype']} {self.fig(r['ours_time_ratio'])}" for r in whole))
         rows = [[c["size"], c["dtype"], c["build"], self.fig(c["peak_mb"], ".1f"),
                  self.fig(c["llm_params_on_rank"], ",d"), self.fig(c["llm_params"], ",d")]
                 for c in data.get("construction", [])]
@@ -449,7 +453,7 @@ class Report:
         for r in data["rows"]:
             if r["workload"] != "rlhf step" and (r["workload"] != "towers chained" or r["n"] not in (1, 8, 16)):
                 continue
-            rows.append([r["workload"], r["stages"], self.fig(r["n"], "d"), r["variant"], self.fig(r["collectives"], "d"),
+            rows.append([r["workload"], self.fig(r["stages"]), self.fig(r["n"], "d"), r["variant"], self.fig(r["collectives"], "d"),
                          self.fig(r["collective_mb"], ".1f"), self.fig(r["ops"], ",d"), self.fig(r["host_syncs"], "d"),
                          self.fig(r["store_meetings"], "d"), self.fig(r["allocated_mb"], ",.1f")])
         self.table(["workload", "stages", "N", "variant", "collectives", "collective MiB", "operators", "host syncs",
@@ -501,6 +505,13 @@ class Report:
                                 f"{self.fig(s['speedup'], '.1f')}x" for s in data.get("scatter_input", []))
             if scatter:
                 self.out(f"Reduce-scatter input against DeepSpeed's: {scatter}.", "")
+            if gpu and data["meta"]["dtype"] == "bf16":
+                big = max((r for r in data["rows"] if r["method"] == "fused"), key=lambda r: (r["bucket_mb"], r["tensors"]))
+                self.headline(f"fused bucket pass, {self.fig(big['tensors'], ',d')} tensors / "
+                              f"{self.fig(big['bucket_mb'], '.0f')} MB bf16, {self.fig(data['meta']['device'])}",
+                              "the unfused torch sequence; a `copy_` of the same bytes (GPU time)",
+                              f"{self.fig(big['speedup_vs_unfused'], '.1f')}x faster; copy / fused "
+                              f"{self.fig(big['device_fraction_of_copy'], '.2f')}")
             if rel == "fused_reduce.json":
                 big = max((r for r in data["rows"] if r["method"] == "fused"), key=lambda r: (r["bucket_mb"], r["tensors"]))
                 self.headline("fused gradient-bucket pass, CPU", "unfused torch sequence of ZeRO-2/3",
@@ -540,7 +551,7 @@ class Report:
             worst = max(growth["engines"], key=lambda r: r["ratio"])
             gaps.append(f"Many ZeRO-3 engines under one loss are slower than one engine over the same modules: "
                         f"up to {self.fig(worst['ratio'])} of the super-module (N = {self.fig(worst['n'], 'd')}, "
-                        f"stages {worst['stages']}, {worst['wiring']}). Each engine keeps its own reduction, norm "
+                        f"stages {self.fig(worst['stages'])}, {worst['wiring']}). Each engine keeps its own reduction, norm "
                         f"all-reduce and update; [docs/design.md]({os.path.relpath(ROOT / 'docs' / 'design.md', self.out_dir)}#decisions) "
                         "says why they are "
                         "not joined.")
@@ -567,12 +578,14 @@ class Report:
         self.section = "Machines and files"
         self.out(f"## {self.section}", "", "Every result file this report read, with the machine line it holds:", "")
         rows = []
-        for path in sorted(self.results.rglob("*.json")):
+        files = sorted(self.results.glob("*.json")) + [f for card in self.cards()
+                                                       for f in sorted((self.results / card).glob("*.json"))]
+        for path in files:
             rel = str(path.relative_to(self.results))
             m = json.loads(path.read_text()).get("meta", {})
             gpu = m.get("gpu") or (m.get("device") if m.get("device") not in (None, "cpu") else None)
-            rows.append([f"`{rel}`", m.get("cpu") or "unknown", self.fig(m.get("cpus"), "d") if m.get("cpus") else "unknown",
-                         gpu or "-", self.fig(m.get("torch")),
+            rows.append([f"`{rel}`", self.fig(m.get("cpu") or "unknown"),
+                         self.fig(m.get("cpus"), "d") if m.get("cpus") else "unknown", self.fig(gpu or "-"), self.fig(m.get("torch")),
                          self.fig(m.get("deepspeed")) if m.get("deepspeed") else "unknown",
                          self.fig(m.get("time")) if m.get("time") else "unknown"])
         self.table(["file", "CPU", "cores", "GPU", "torch", "DeepSpeed", "date"], rows)
