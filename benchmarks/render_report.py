@@ -610,7 +610,7 @@ class Report:
 
     def readme_table(self) -> str:
         self.section = "README"
-        lines = [README_BEGIN, "| claim | baseline | ours / baseline |", "|---|---|---|"]
+        lines = [README_BEGIN, "| claim | baseline | figure |", "|---|---|---|"]
         lines += [f"| [{claim}](benchmarks/PERFORMANCE.md#{a}) | {base} | {fig} |" for claim, base, fig, a in self.summary]
         return "\n".join(lines + [README_END])
 

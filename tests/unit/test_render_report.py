@@ -72,10 +72,12 @@ def test_readme_table_is_the_reports(report):
 
 
 def _linked_paragraphs(path):
-    """(anchor, paragraph) for each paragraph of ``path`` that links into a section of the report."""
+    """(anchor, paragraph) for each paragraph (table row) of ``path`` that links into a section of the report."""
     for para in re.split(r"\n\s*\n", path.read_text()):
-        for a in re.findall(r"PERFORMANCE\.md#([\w\-]+)", para):
-            yield a, para
+        units = para.splitlines() if para.lstrip().startswith("|") else [para]  # a table: row by row
+        for unit in units:
+            for a in re.findall(r"PERFORMANCE\.md#([\w\-]+)", unit):
+                yield a, unit
 
 
 def test_docs_figures_point_at_the_report_and_equal_it(report):
