@@ -83,6 +83,15 @@ class Report:
         """``rel`` (under the results) as a path from the report's folder, for links."""
         return os.path.relpath(self.results / rel, self.out_dir)
 
+    def result(self, rel: str):
+        """The JSON at ``rel`` with its machine line written, or None with a "not measured" line."""
+        data = self.load(rel)
+        if data is None:
+            self.missing(rel)
+        else:
+            self.out(self.machine(data, rel), "")
+        return data
+
     def machine(self, data, rel: str) -> str:
         m = data.get("meta", {}) if data else {}
         where = m.get("gpu") or (m.get("device") if m.get("device") not in (None, "cpu") else None) or "no GPU"
@@ -123,11 +132,9 @@ class Report:
                    "upstream `deepspeed.initialize` + `engine.backward(loss)`, same ranks, steps interleaved",
                    "python benchmarks/overhead.py --dtypes fp32 bf16 --steps 40 --no-memory")
         for rel, card in (("overhead.json", "CPU"), ("gpu/overhead.json", "GPU")):
-            data = self.load(rel)
+            data = self.result(rel)
             if data is None:
-                self.missing(rel)
                 continue
-            self.out(self.machine(data, rel), "")
             rows = []
             for r in data["rows"]:
                 rows.append([f"ZeRO-{r['stage']}", r["dtype"], self.fig(r["upstream_ms"], ".1f"),
@@ -144,12 +151,11 @@ class Report:
                               "upstream `engine.backward(loss)`",
                               " / ".join(self.fig(r["ratio"]) for r in data["rows"] if r["dtype"] == "fp32"))
         self.plot("overhead.png")
-        view = self.load("zero3_grad_view.json")
-        if view is None:
-            self.missing("zero3_grad_view.json")
-            return
         self.out("ZeRO-3's update reads the gradient buffer as a view instead of DeepSpeed's flattened copy "
-                 "(`zero3_grad_view.py`, the peers LLM alone):", "", self.machine(view, "zero3_grad_view.json"), "")
+                 "(`zero3_grad_view.py`, the peers LLM alone):", "")
+        view = self.result("zero3_grad_view.json")
+        if view is None:
+            return
         res = view["results"]
         rows = [[name, self.fig(v["step_ms"], ".1f"), self.fig(v["total_ms"], ".1f"),
                  self.fig(v.get("view_over_this_step", 1.0)), self.fig(v.get("view_over_this_total", 1.0)),
@@ -181,13 +187,11 @@ class Report:
                    "ours with the fused bucket passes on, ours with them off, upstream",
                    "upstream `engine.backward(loss)`, and ours with `fused_reduce: false`",
                    "python benchmarks/fused_reduce_e2e.py --steps 20")
-        data = self.load("fused_reduce_e2e.json")
+        data = self.result("fused_reduce_e2e.json")
         if data is None:
-            self.missing("fused_reduce_e2e.json")
             return
         m = data["meta"]
-        self.out(self.machine(data, "fused_reduce_e2e.json"), "",
-                 f"Model: {self.fig(m['layers'], 'd')} x `Linear` of width {self.fig(m['dim'], 'd')}, "
+        self.out(f"Model: {self.fig(m['layers'], 'd')} x `Linear` of width {self.fig(m['dim'], 'd')}, "
                  f"gas {self.fig(m['gas'], 'd')}, {self.fig(m['world'], 'd')} ranks, median of "
                  f"{self.fig(m['steps'], 'd')} steps.", "")
         rows = []
@@ -213,11 +217,8 @@ class Report:
                    "the same modules in one upstream ZeRO-3 engine (the super-module); `growth.py --upstream` "
                    "adds DeepSpeed's own N engines",
                    "python benchmarks/growth.py --upstream && python benchmarks/two_engines.py")
-        two = self.load("two_engines.json")
-        if two is None:
-            self.missing("two_engines.json")
-        else:
-            self.out(self.machine(two, "two_engines.json"), "")
+        two = self.result("two_engines.json")
+        if two is not None:
             rows, base = [], {r["variant"]: r for r in two["rows"]}
             for r in two["rows"]:
                 sup = base.get("super-module (frozen LLM)" if "frozen" in r["variant"] else "super-module")
@@ -228,11 +229,9 @@ class Report:
             r = base["two engines"]
             self.headline("encoder (ZeRO-2) -> LLM (ZeRO-3), two engines", "super-module in one ZeRO-3 engine",
                           f"time {self.fig(r['time_vs_supermodule'])}, memory {self.fig(r['mem_vs_supermodule'])}")
-        data = self.load("growth.json")
+        data = self.result("growth.json")
         if data is None:
-            self.missing("growth.json")
             return
-        self.out(self.machine(data, "growth.json"), "")
         ns = sorted({r["n"] for r in data["engines"]})
         has_up = any("upstream" in r for r in data["engines"])
         rows = []
@@ -268,11 +267,8 @@ class Report:
                    "the peak of live tensors in a step and its phase)",
                    "PyTorch FSDP2 (`fully_shard` per block) and the super-module (one upstream ZeRO-3 engine)",
                    "python benchmarks/peers.py && python benchmarks/memory_breakdown.py --repeat 3 --at-peak")
-        data = self.load("peers.json")
-        if data is None:
-            self.missing("peers.json")
-        else:
-            self.out(self.machine(data, "peers.json"), "")
+        data = self.result("peers.json")
+        if data is not None:
             rows = []
             for size in dict.fromkeys(r["size"] for r in data["rows"]):
                 group = [r for r in data["rows"] if r["size"] == size]
@@ -288,12 +284,9 @@ class Report:
             self.table(["size", "parameters", "variant", "ms", "ours / this, time (IQR)", "peak RSS MiB",
                         "ours / this, memory"], rows)
             self.plot("peers.png")
-        mem = self.load("memory_breakdown.json")
-        if mem is None:
-            self.missing("memory_breakdown.json")
-        else:
-            self.out(self.machine(mem, "memory_breakdown.json"), "",
-                     "MiB per rank after the last backward, by holder; peak of live tensors over a step / FSDP2's "
+        mem = self.result("memory_breakdown.json")
+        if mem is not None:
+            self.out("MiB per rank after the last backward, by holder; peak of live tensors over a step / FSDP2's "
                      "(median over repeats, with their range):", "")
             self.memory_table(mem, "peak_live_mb")
             block = [r for r in mem["rows"] if r["variant"].startswith("ours, block") and r["size"] == "large"]
@@ -334,11 +327,9 @@ class Report:
                    "the whole model in one upstream ZeRO-3 engine; PyTorch FSDP2 sharding only the LLM; for "
                    "building, plain construction and `deepspeed.zero.Init` for the whole model",
                    "python benchmarks/parts.py")
-        data = self.load("parts.json")
+        data = self.result("parts.json")
         if data is None:
-            self.missing("parts.json")
             return
-        self.out(self.machine(data, "parts.json"), "")
         rows = []
         for r in data["rows"]:
             ours = next(o for o in data["rows"] if o["size"] == r["size"] and o["dtype"] == r["dtype"]
@@ -365,11 +356,9 @@ class Report:
                    "`torch.no_grad()`), ours with the student at ZeRO-2 and the teacher at ZeRO-3, and both at ZeRO-3",
                    "the same layouts as upstream engines, and both models at ZeRO-3",
                    "python benchmarks/distillation.py")
-        data = self.load("distillation.json")
+        data = self.result("distillation.json")
         if data is None:
-            self.missing("distillation.json")
             return
-        self.out(self.machine(data, "distillation.json"), "")
         by = {r["variant"]: r for r in data["rows"]}
         rows = []
         for r in data["rows"]:
@@ -393,11 +382,9 @@ class Report:
                    "actor's output through the reward model with grad; ours: one `loss.backward()`",
                    "upstream: `actor.backward` + `critic.backward` (the reward model called unwrapped: upstream "
                    "refuses a gradient through a frozen engine)", "python benchmarks/rlhf_step.py")
-        data = self.load("rlhf_step.json")
+        data = self.result("rlhf_step.json")
         if data is None:
-            self.missing("rlhf_step.json")
             return
-        self.out(self.machine(data, "rlhf_step.json"), "")
         raw = data["raw_ms"]
         rows = [[phase, self.fig(data["median_ms"]["upstream"][phase], ".1f"),
                  self.fig(data["median_ms"]["ours"][phase], ".1f"), self.ratio(raw["ours"][phase], raw["upstream"][phase])]
@@ -416,13 +403,11 @@ class Report:
                    "processes, not interleaved",
                    "the policy at ZeRO-3 too; plain TRL (its reference at stage 0, a full replica per rank); our "
                    "trainer without roles", "python benchmarks/dpo_roles.py")
-        data = self.load("dpo_roles.json")
+        data = self.result("dpo_roles.json")
         if data is None:
-            self.missing("dpo_roles.json")
             return
         m = data["meta"].get("model", {})
-        self.out(self.machine(data, "dpo_roles.json"), "",
-                 f"Model: hidden {self.fig(m.get('hidden'), 'd')}, {self.fig(m.get('layers'), 'd')} layers, vocabulary "
+        self.out(f"Model: hidden {self.fig(m.get('hidden'), 'd')}, {self.fig(m.get('layers'), 'd')} layers, vocabulary "
                  f"{self.fig(m.get('vocab'), 'd')}, {self.fig(data['meta'].get('dtype'))}.", "")
         rows = []
         for r in data["rows"]:
@@ -444,11 +429,9 @@ class Report:
                    "rendezvous before an engine's collectives, gloo only) and what the step allocates",
                    "upstream (N `deepspeed.initialize` engines, one `loss.backward()`) and the super-module",
                    "python benchmarks/counts.py")
-        data = self.load("counts.json")
+        data = self.result("counts.json")
         if data is None:
-            self.missing("counts.json")
             return
-        self.out(self.machine(data, "counts.json"), "")
         rows = []
         for r in data["rows"]:
             if r["workload"] != "rlhf step" and (r["workload"] != "towers chained" or r["n"] not in (1, 8, 16)):
@@ -485,12 +468,11 @@ class Report:
             (f"{card}/{f.name}", card) for card in self.cards()
             for f in sorted((self.results / card).glob("fused_reduce*.json"))]
         for rel, _card in files:
-            data = self.load(rel)
+            data = self.result(rel)
             if data is None:
-                self.missing(rel)
                 continue
             gpu = any("device_ms" in r for r in data["rows"])
-            self.out(self.machine(data, rel) + f" {self.fig(data['meta']['dtype'])} buckets.", "")
+            self.out(f"Buckets of {self.fig(data['meta']['dtype'])}:", "")
             rows = []
             for (n, mb) in dict.fromkeys((r["tensors"], r["bucket_mb"]) for r in data["rows"]):
                 by = {r["method"]: r for r in data["rows"] if (r["tensors"], r["bucket_mb"]) == (n, mb)}
@@ -529,11 +511,9 @@ class Report:
         rows = []
         for feature, off in (("watchdog", "ours_watchdog_off"), ("meet", "ours_off"), ("rank_agreement", "ours_off")):
             rel = f"overhead_{feature}.json"
-            data = self.load(rel)
+            data = self.result(rel)
             if data is None:
-                self.missing(rel)
                 continue
-            self.out(self.machine(data, rel), "")
             for r in data["rows"]:
                 raw = r["raw_ms"]
                 rows.append([feature.replace("_", "-"), f"ZeRO-{r['stage']} {r['dtype']}",
