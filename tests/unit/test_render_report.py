@@ -106,3 +106,15 @@ def test_a_missing_result_renders_as_not_measured(tmp_path):
     found = sections(text)
     assert "1.016" not in found["Distillation"] and "Not measured" in found["Distillation"]
     assert all(claim in found for claim in R.CLAIMS)
+
+
+def test_deepspeeds_own_engines_render_when_growth_has_them(tmp_path):
+    """growth.py --upstream adds each point's upstream step times: the growth table gets their row."""
+    data = json.loads((RESULTS / "growth.json").read_text())
+    for row in data["engines"]:
+        row["upstream"] = row["ours"]
+    (tmp_path / "growth.json").write_text(json.dumps(data))
+    rep = R.Report(tmp_path, tmp_path)
+    body = sections(rep.render())["Engines in one loss: against the super-module and DeepSpeed's own engines"]
+    assert "chained, / DeepSpeed's N engines | 1.000 (1.00-1.00)" in body
+    assert "own N engines under one loss are not in these results" not in body
