@@ -151,6 +151,7 @@ class Report:
                               "upstream `engine.backward(loss)`",
                               " / ".join(self.fig(r["ratio"]) for r in data["rows"] if r["dtype"] == "fp32"))
         self.plot("overhead.png")
+        self.features()
         self.out("ZeRO-3's update reads the gradient buffer as a view instead of DeepSpeed's flattened copy "
                  "(`zero3_grad_view.py`, the peers LLM alone):", "")
         view = self.result("zero3_grad_view.json")
@@ -167,7 +168,8 @@ class Report:
                       f"`step()` {self.fig(res['copy']['view_over_this_step'])}")
 
     def features(self):
-        self.out("Each feature on against off in the same ranks (`overhead.py --<feature>`), paired per step:", "")
+        self.out("The single-engine features on against off in the same ranks (`overhead.py --<feature>`; machine "
+                 f"lines: [Machines and files](#{anchor('Machines and files')})), paired per step:", "")
         rows = []
         for feature, off in (("overflow_by_norm", "ours_off"), ("bucket_size", "ours_off"),
                              ("lazy_grads", "ours_off"), ("cast_on_gather", "ours_off")):
@@ -520,7 +522,6 @@ class Report:
                              self.ratio(raw["ours"], raw[off]), self.ratio(raw["ours"], raw["upstream"])])
         if rows:
             self.table(["feature", "config", "on / off (IQR)", "on / upstream (IQR)"], rows)
-        self.features()
 
     def limits(self):
         self.section = "Limits and open gaps"
