@@ -118,3 +118,10 @@ def test_deepspeeds_own_engines_render_when_growth_has_them(tmp_path):
     body = sections(rep.render())["Engines in one loss: against the super-module and DeepSpeed's own engines"]
     assert "chained, / DeepSpeed's N engines | 1.000 (1.00-1.00)" in body
     assert "own N engines under one loss are not in these results" not in body
+
+
+def test_a_typed_figure_is_caught(report):
+    """The traceability check is not vacuous: a number added by hand to a section is reported."""
+    rep, text = report
+    text = text.replace("## Distillation\n", "## Distillation\n\nAbout 1.2345 of upstream (0.1234-9.8765).\n")
+    assert set(R.numbers(sections(text)["Distillation"])) - rep.figures["Distillation"] == {"1.2345", "0.1234", "9.8765"}
