@@ -71,10 +71,20 @@ class Report:
         self.figures.setdefault(self.section, set()).update(NUMBER.findall(text))
         return text
 
+    def opt(self, value, fmt: str = ".3f") -> str:
+        """A figure a run may not have measured (memory under ``--no-memory``): "-" when absent."""
+        return "-" if value is None else self.fig(value, fmt)
+
     def ratio(self, ours, base) -> str:
         """Median of per-step paired ratios with its interquartile range, e.g. ``0.992 (0.95-1.03)``."""
         q1, med, q3 = quartiles(paired(ours, base))
         return f"{self.fig(med)} ({self.fig(q1, '.2f')}-{self.fig(q3, '.2f')})"
+
+    @staticmethod
+    def quotient(ours, base):
+        """ours' peak memory / base's, or None where either was not measured."""
+        a, b = ours.get("peak_mb"), base.get("peak_mb")
+        return a / b if a is not None and b else None
 
     def load(self, rel: str):
         path = self.results / rel
@@ -179,6 +189,7 @@ class Report:
                 continue
             for r in data["rows"]:
                 raw = r["raw_ms"]
+                off = "ours_off" if "ours_off" in raw else "ours_watchdog_off"  # the watchdog's older name for it
                 rows.append([feature.replace("_", "-"), f"ZeRO-{r['stage']} {r['dtype']}", self.ratio(raw["ours"], raw[off]),
                              self.ratio(raw["ours"], raw["upstream"]), self.fig(r["ours_ms"], ".1f")])
         if rows:
@@ -225,12 +236,12 @@ class Report:
             for r in two["rows"]:
                 sup = base.get("super-module (frozen LLM)" if "frozen" in r["variant"] else "super-module")
                 rows.append([r["variant"], self.fig(r["ms"], ".1f"), self.ratio(r["raw_ms"], sup["raw_ms"]),
-                             self.fig(r["peak_mb"], ".1f"), self.fig(r["mem_vs_supermodule"])])
+                             self.opt(r.get("peak_mb"), ".1f"), self.opt(r.get("mem_vs_supermodule"))])
             self.table(["variant", "ms", "time / super-module (IQR)", "peak MiB", "memory / super-module"], rows)
             self.plot("two_engines.png")
             r = base["two engines"]
             self.headline("encoder (ZeRO-2) -> LLM (ZeRO-3), two engines", "super-module in one ZeRO-3 engine",
-                          f"time {self.fig(r['time_vs_supermodule'])}, memory {self.fig(r['mem_vs_supermodule'])}")
+                          f"time {self.fig(r['time_vs_supermodule'])}, memory {self.opt(r.get('mem_vs_supermodule'))}")
         data = self.result("growth.json")
         if data is None:
             return
@@ -279,11 +290,11 @@ class Report:
                 for r in group:
                     rows.append([size, self.fig(r["params"], ",d"), r["variant"], self.fig(r["ms"], ".1f"),
                                  "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]),
-                                 self.fig(r["peak_mb"], ".1f"), "-" if r is ours else self.fig(r["ours_mem_ratio"])])
+                                 self.opt(r.get("peak_mb"), ".1f"), "-" if r is ours else self.opt(r.get("ours_mem_ratio"))])
                 fsdp = next(r for r in group if r["variant"] == "FSDP2")
                 self.headline(f"encoder -> LLM, {size} ({self.fig(ours['params'], ',d')} parameters)",
                               "PyTorch FSDP2", f"time {self.fig(fsdp['ours_time_ratio'])}, "
-                              f"peak RSS {self.fig(fsdp['ours_mem_ratio'])}")
+                              f"peak RSS {self.opt(fsdp.get('ours_mem_ratio'))}")
             self.table(["size", "parameters", "variant", "ms", "ours / this, time (IQR)", "peak RSS MiB",
                         "ours / this, memory"], rows)
             self.plot("peers.png")
@@ -338,8 +349,8 @@ class Report:
             ours = next(o for o in data["rows"] if o["size"] == r["size"] and o["dtype"] == r["dtype"]
                         and o["variant"].startswith("ours"))
             rows.append([r["size"], self.fig(r["params"], ",d"), r["dtype"], r["variant"], self.fig(r["ms"], ".1f"),
-                         "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]), self.fig(r["peak_mb"], ".1f"),
-                         "-" if r is ours else self.fig(r["ours_mem_ratio"])])
+                         "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]), self.opt(r.get("peak_mb"), ".1f"),
+                         "-" if r is ours else self.opt(r.get("ours_mem_ratio"))])
         self.table(["size", "parameters", "dtype", "variant", "ms", "ours / this, time (IQR)", "peak MiB",
                     "ours / this, memory"], rows)
         whole = [r for r in data["rows"] if r["variant"].startswith("whole")]
@@ -365,11 +376,11 @@ class Report:
         by = {r["variant"]: r for r in data["rows"]}
         rows = []
         for r in data["rows"]:
-            cells = [r["variant"], self.fig(r["ms"], ".1f"), self.fig(r["peak_mb"], ".1f")]
+            cells = [r["variant"], self.fig(r["ms"], ".1f"), self.opt(r.get("peak_mb"), ".1f")]
             up = by.get(r["variant"].replace("ours", "upstream"))
             cells.append(self.ratio(r["raw_ms"], up["raw_ms"]) if r["variant"].startswith("ours") and up else "-")
             z3 = by.get("ours Z3+Z3")
-            cells.append(self.ratio(r["raw_ms"], z3["raw_ms"]) + ", memory " + self.fig(r["peak_mb"] / z3["peak_mb"])
+            cells.append(self.ratio(r["raw_ms"], z3["raw_ms"]) + ", memory " + self.opt(self.quotient(r, z3))
                          if r["variant"] == "ours Z2+Z3" and z3 else "-")
             rows.append(cells)
         self.table(["variant", "ms", "peak MiB", "ours / upstream, same layout (IQR)", "Z2+Z3 / Z3+Z3 (IQR)"], rows)
@@ -378,7 +389,7 @@ class Report:
         if o and z3:
             self.headline("distillation: ZeRO-2 student + frozen ZeRO-3 teacher", "both at ZeRO-3",
                           f"time {self.fig(quartiles(paired(o['raw_ms'], z3['raw_ms']))[1])}, "
-                          f"memory {self.fig(o['peak_mb'] / z3['peak_mb'])}")
+                          f"memory {self.opt(self.quotient(o, z3))}")
 
     def rlhf(self):
         self.start("RLHF step", "actor (ZeRO-2) and critic (ZeRO-3) trained, reference and reward (ZeRO-3) frozen, the "
@@ -392,8 +403,9 @@ class Report:
         rows = [[phase, self.fig(data["median_ms"]["upstream"][phase], ".1f"),
                  self.fig(data["median_ms"]["ours"][phase], ".1f"), self.ratio(raw["ours"][phase], raw["upstream"][phase])]
                 for phase in data["median_ms"]["ours"]]
-        rows.append(["peak MiB", self.fig(data["peak_mb"]["upstream"], ".1f"), self.fig(data["peak_mb"]["ours"], ".1f"),
-                     self.fig(data["peak_mb"]["ours"] / data["peak_mb"]["upstream"])])
+        peak = data.get("peak_mb") or {}
+        rows.append(["peak MiB", self.opt(peak.get("upstream"), ".1f"), self.opt(peak.get("ours"), ".1f"),
+                     self.opt(self.quotient({"peak_mb": peak.get("ours")}, {"peak_mb": peak.get("upstream")}))])
         self.table(["phase", "upstream ms", "ours ms", "ours / upstream (IQR)"], rows)
         self.plot("rlhf_step.png")
         self.headline("RLHF step, four engines, one `loss.backward()`", "upstream, one `engine.backward` per trained engine",
@@ -512,13 +524,14 @@ class Report:
                    "python benchmarks/overhead.py --watchdog && python benchmarks/overhead.py --meet && "
                    "python benchmarks/overhead.py --rank-agreement")
         rows = []
-        for feature, off in (("watchdog", "ours_watchdog_off"), ("meet", "ours_off"), ("rank_agreement", "ours_off")):
+        for feature in ("watchdog", "meet", "rank_agreement"):
             rel = f"overhead_{feature}.json"
             data = self.result(rel)
             if data is None:
                 continue
             for r in data["rows"]:
                 raw = r["raw_ms"]
+                off = "ours_off" if "ours_off" in raw else "ours_watchdog_off"  # the watchdog's older name for it
                 rows.append([feature.replace("_", "-"), f"ZeRO-{r['stage']} {r['dtype']}",
                              self.ratio(raw["ours"], raw[off]), self.ratio(raw["ours"], raw["upstream"])])
         if rows:

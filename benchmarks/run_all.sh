@@ -15,8 +15,8 @@ if [ "${QUICK:-0}" = "1" ]; then
   common=(--steps 3 --warmup 1 --no-memory)
   declare -A extra=(
     [overhead]="--quick" [overhead_watchdog]="--watchdog" [peers]="--sizes small" [parts]="--sizes small --dtypes fp32"
-    [memory_breakdown]="--sizes small --dtypes fp32" [growth]="--engines 1 2 --stages alt --dims 40"
-    [counts]="--engines 1 2 --stages alt --no-rlhf" [dpo_roles]="--size small"
+    [memory_breakdown]="--sizes small --dtypes fp32" [growth]="--engines 1 2 --stages alt --dims"
+    [counts]="--engines 2 --stages alt --no-rlhf" [dpo_roles]="--size small"
     [fused_reduce]="--quick" [fused_reduce_e2e]="--steps 3 --layers 50 --stages 2")
   # The short run leaves out the slowest extras (two of the three reliability runs, the large-model ZeRO-3 update
   # view and the single-engine features' on/off runs): its report says "not measured" there.

@@ -125,3 +125,21 @@ def test_a_typed_figure_is_caught(report):
     rep, text = report
     text = text.replace("## Distillation\n", "## Distillation\n\nAbout 1.2345 of upstream (0.1234-9.8765).\n")
     assert set(R.numbers(sections(text)["Distillation"])) - rep.figures["Distillation"] == {"1.2345", "0.1234", "9.8765"}
+
+
+def test_a_run_without_memory_renders(tmp_path):
+    """`--no-memory` runs (make bench QUICK=1) leave the memory fields out or None; the watchdog's newer
+    JSON names its off variant ``ours_off``."""
+    for name in ("two_engines", "distillation", "peers", "parts", "rlhf_step", "overhead_watchdog"):
+        data = json.loads((RESULTS / f"{name}.json").read_text())
+        for row in data.get("rows", []):
+            row.pop("mem_vs_supermodule", None), row.pop("ours_mem_ratio", None)
+            row["peak_mb"] = None
+            if "ours_watchdog_off" in row.get("raw_ms", {}):
+                row["raw_ms"]["ours_off"] = row["raw_ms"].pop("ours_watchdog_off")
+        if name == "rlhf_step":
+            data["peak_mb"] = {"upstream": None, "ours": None}
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    found = sections(R.Report(tmp_path, tmp_path).render())
+    assert "| two engines | 192.1 | 0.993 (0.93-1.04) | - | - |" in found[R.CLAIMS[2]]
+    assert "| watchdog | ZeRO-1 fp32 | 0.983 (" in found["Watchdog and rank-meeting cost"]
