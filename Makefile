@@ -85,8 +85,12 @@ PROFILE ?= fp32
 fuzz: setup
 	DS_ACCELERATOR=cpu $(PY) tests/multi_gpu/fuzz.py $(if $(SEED),--seed $(SEED) --profile $(PROFILE) $(if $(KNOBS),--knobs) $(if $(PARTS),--parts),--seconds $(FUZZ_SECONDS) --start $(FUZZ_START))
 
+# `make bench` reruns every benchmark into benchmarks/results/ and regenerates benchmarks/PERFORMANCE.md and the
+# README's performance table from them; `make bench QUICK=1` is a short run (fewer steps, smaller sizes) whose
+# results and report go to benchmarks/results/quick/ instead.
+QUICK ?= 0
 bench: setup
-	PYTHON=$(PY) bash benchmarks/run_all.sh
+	QUICK=$(QUICK) PYTHON=$(PY) bash benchmarks/run_all.sh
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) build *.egg-info

@@ -285,10 +285,22 @@ def fmt_table(headers, rows) -> str:
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the report's machine line."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def meta(**extra) -> dict:
     import deepspeed
     return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "gpu": use_gpu(1) and torch.cuda.get_device_name(0),
+            "machine": platform.machine(), "cpu": cpu_model(), "cpus": os.cpu_count(), "gpu": use_gpu(1) and torch.cuda.get_device_name(0),
             "memory": memory_kind(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), **extra}
 
 

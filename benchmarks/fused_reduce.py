@@ -266,7 +266,8 @@ def main():
           f"{where}")
     print_table(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
+    import _bench
+    meta = {**_bench.meta(), "threads": torch.get_num_threads(), "dtype": args.dtype,
             "world_size": args.world_size, "quick": args.quick, "device": where}
     scatter = bench_scatter_input(ext, dtype, args.world_size, args.quick)
     (RESULTS / "fused_reduce.json").write_text(json.dumps({"meta": meta, "rows": rows, "scatter_input": scatter},

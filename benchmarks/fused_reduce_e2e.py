@@ -4,13 +4,13 @@ Per stage, three engines are built side by side in the same processes (identical
 ``{"deepspeed_multi": {"fused_reduce": true}}``, one with false, and upstream ``deepspeed.initialize``
 stepped with ``engine.backward(loss)``, the baseline users have) and stepped interleaved
 (forward + backward + step, gradient_accumulation_steps micro-steps per sample), so both see
-the same machine state. The model has many small parameters (default 200 Linear(32, 32), the model of issue 10),
+the same machine state. The model has many small parameters (default 200 Linear(32, 32), the many-small-parameters model),
 where per-parameter tensor ops dominate the bucket passes. Medians over the timed samples.
 
     python benchmarks/fused_reduce_e2e.py [--layers 200] [--dim 64] [--steps 20] [--gas 2]
 
 2 processes (torch.multiprocessing spawn, gloo on CPU; NCCL with one GPU per rank if available).
-Prints a table and ``RESULT e2e_z2=<off/on> e2e_z3=<off/on> vs_upstream_z2=<upstream/on> ..`` (speedups:
+Prints a table, writes benchmarks/results/fused_reduce_e2e.json (per-step times kept) and ``RESULT e2e_z2=<off/on> e2e_z3=<off/on> vs_upstream_z2=<upstream/on> ..`` (speedups:
 > 1 means fused is faster; the ratios are medians of per-step paired ratios).
 """
 import argparse
@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "multi_gpu"))  # rank_launcher
+
+import _bench as B  # noqa: E402  (meta, save: the JSON beside the other benchmarks')
 
 
 def _config(stage, fused, gas, bucket):
@@ -101,7 +103,9 @@ def _worker(args):
         med = {k: statistics.median(v) for k, v in per.items()}
         paired = lambda a, b: statistics.median(x / y for x, y in zip(per[a], per[b]))  # noqa: E731
         results[stage] = (med[False], med[True], max_diff, med["upstream"], paired(False, True),
-                          paired("upstream", True), paired("upstream", False))
+                          paired("upstream", True), paired("upstream", False),
+                          {"off": [x * 1e3 for x in per[False]], "on": [x * 1e3 for x in per[True]],
+                           "upstream": [x * 1e3 for x in per["upstream"]]})
         for eng in engines.values():
             eng.destroy()
         del engines
@@ -128,11 +132,18 @@ def main():
           f"gas={args.gas}, bucket={args.bucket}, backend={backend}, median of {args.steps} steps")
     print("| stage | upstream ms | off ms | on ms | off/on | upstream/on | upstream/off | max abs(w_on - w_off) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for stage, (off, on, diff, up, r_off_on, r_up_on, r_up_off) in sorted(results.items()):
+    rows = []
+    for stage, (off, on, diff, up, r_off_on, r_up_on, r_up_off, raw) in sorted(results.items()):
+        rows.append({"stage": stage, "upstream_ms": up * 1e3, "off_ms": off * 1e3, "on_ms": on * 1e3,
+                     "off_over_on": r_off_on, "upstream_over_on": r_up_on, "upstream_over_off": r_up_off,
+                     "max_abs_diff": diff, "raw_ms": raw})
         print(f"| ZeRO-{stage} | {up * 1e3:.2f} | {off * 1e3:.2f} | {on * 1e3:.2f} | {r_off_on:.3f} | {r_up_on:.3f} | "
               f"{r_up_off:.3f} | {diff:.1e} |")
     fields = " ".join(f"e2e_z{stage}={r[4]:.3f} vs_upstream_z{stage}={r[5]:.3f}" for stage, r in sorted(results.items()))
     print(f"RESULT {fields}")
+    B.save("fused_reduce_e2e", {"meta": B.meta(layers=args.layers, dim=args.dim, gas=args.gas, world=args.world,
+                                               steps=args.steps, warmup=args.warmup, backend=backend),
+                                "rows": rows, "result": f"RESULT {fields}"})
 
 
 if __name__ == "__main__":

@@ -232,11 +232,17 @@ class PartsOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, client=None):  # pylint: disable=super-init-not-called
         self._engine = engine
-        source = client if client is not None else engine._first.optimizer
-        self.param_groups = source.param_groups
-        self.defaults = getattr(source, "defaults", {})
+        self._source = client if client is not None else engine._first.optimizer
+        self.defaults = getattr(self._source, "defaults", {})
         self.state = {}
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    @property
+    def param_groups(self):
+        # Read through on every access: a resume loads the source's state with torch's
+        # load_state_dict, which replaces its list of groups, and a scheduler that holds this
+        # optimizer must set the learning rate on the groups the parts take it from.
+        return self._source.param_groups
 
     def step(self, closure=None):
         raise RuntimeError("deepspeed_multi: call engine.step() to update a model with declared submodules (it steps "

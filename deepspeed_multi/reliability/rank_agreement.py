@@ -9,7 +9,7 @@ gradient collective, and all of them refuse the step together.
 
 The comparison is one all-reduce of two int64. Run synchronously at the top of ``step()`` it is
 one more synchronization point per update, which costs far more than its bytes (measured in
-benchmarks/PERFORMANCE.md, ``overhead.py --rank-agreement``). So :meth:`RankAgreement.start` launches it
+docs/design.md, Decisions; ``overhead.py --rank-agreement``). So :meth:`RankAgreement.start` launches it
 asynchronously when ``step()`` begins, and :meth:`RankAgreement.finish` waits for it as late as
 is safe: where the rank has nothing accumulated, at once (it must decide its path together with
 the others); otherwise right before the first gradient collective, after the rank-local work of

@@ -5,7 +5,7 @@ DeepSpeed's gradient hook (``DeepSpeedZeroOptimizer.create_gradient_handling_hoo
 the first hook of every backward, how many of the engine's parameters the running backward will
 reach: ``count_used_parameters_in_backward`` finds each parameter's grad accumulator through an
 ``enable_grad`` context and a ``view_as`` per parameter, every backward (the cost against the
-same count from kept accumulators: benchmarks/PERFORMANCE.md). The count only feeds
+same count from kept accumulators: docs/design.md, Decisions). The count only feeds
 DeepSpeed's hook-state bookkeeping for its own epilogue hooks, which MultiEngine unregisters and
 replaces with its graph-task callback (engine.py), but the bookkeeping stays as DeepSpeed keeps it.
 

@@ -18,7 +18,7 @@ collective decides nothing that the norm's does not, and inside ``step()``
 :func:`check_overflow_by_norm` leaves ``self.overflow`` False and lets the norm decide. The
 updates, skipped steps, loss-scale changes and the norm itself are DeepSpeed's, computed by
 DeepSpeed's code; what goes is one collective, one host synchronization and the local inf/nan
-pass per update (measured in benchmarks/PERFORMANCE.md, ``overhead.py --overflow-by-norm``).
+pass per update (why: docs/design.md, Decisions; ``overhead.py --overflow-by-norm``).
 
 Installed only where the containment holds as stated: ``check_grad_overflow`` and
 ``compute_grad_norm`` on (read at every call), no CPU offload (its norm and flag are computed

@@ -6,7 +6,7 @@ to ``reduce_scatter_coalesced``, which slices every gradient into ``world`` chun
 ``ceil(numel / world)`` elements in Python, interleaves them rank by rank with padding into one
 ``torch.cat``, pre-divides the whole buffer by ``world`` (``div_``), reduce-scatters it, and
 narrows this rank's block back into one view per gradient: for 400 small gradients on 2 ranks,
-800 slices, a cat, a divide and 400 narrows per bucket (its CPU cost: benchmarks/PERFORMANCE.md).
+800 slices, a cat, a divide and 400 narrows per bucket (its CPU cost: docs/design.md, Decisions).
 :func:`avg_scatter_grads` builds the same buffer with one :func:`deepspeed_multi.ops.pack_
 partitions` call (the divide folded in as ``scale = 1/world`` where that is exact, i.e. world is
 a power of two; otherwise a separate ``div_``, as DeepSpeed does), runs the same reduce-scatter,

@@ -95,10 +95,15 @@ def train(engine, windows, gas, start=0):
     return norms
 
 
-def build(top_stage, submodules, gas, clip, lr, dtype="fp32", prepare=None):
+def build(top_stage, submodules, gas, clip, lr, dtype="fp32", prepare=None, scheduler_on_returned=False):
+    """``scheduler_on_returned``: the scheduler is built over the optimizer initialize returns (DeepSpeed's
+    callable form; Trainer's scheduler is built over it too) instead of over the client optimizer."""
     model = make_model(prepare)
     opt = torch.optim.AdamW(groups(model), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    if scheduler_on_returned:
+        sched = lambda returned: torch.optim.lr_scheduler.LambdaLR(returned, schedule)  # noqa: E731
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     engine, optimizer, _, scheduler = deepspeed_multi.initialize(
         model=model, optimizer=opt, lr_scheduler=sched, config=case_config(top_stage, submodules, gas, clip, dtype))
     return engine, optimizer, scheduler
@@ -140,11 +145,13 @@ def check_exact(top_stage, submodules, gas, clip=0.5, windows=3, lr=1e-2, prepar
     return err
 
 
-def check_resume(top_stage, submodules, gas, clip=0.5, windows=4, lr=1e-2, via_set=False):
-    """Save after two windows, resume in freshly built engines: the same weights as an uninterrupted run.
-    ``via_set``: through deepspeed_multi.save_checkpoint / load_checkpoint of a set holding the model."""
+def check_resume(top_stage, submodules, gas, clip=0.5, windows=4, lr=1e-2, via_set=False, scheduler_on_returned=False):
+    """Save after two windows, resume in freshly built engines and train two more: the same weights as an
+    uninterrupted run (two updates after the resume, so a learning rate that the resume fails to hand on
+    from the scheduler to the parts shows). ``via_set``: through deepspeed_multi.save_checkpoint /
+    load_checkpoint of a set holding the model. ``scheduler_on_returned``: see build()."""
     rank = dist.get_rank()
-    engine, _, _ = build(top_stage, submodules, gas, clip, lr)
+    engine, _, _ = build(top_stage, submodules, gas, clip, lr, scheduler_on_returned=scheduler_on_returned)
     train(engine, 2, gas)
     root = [tempfile.mkdtemp(prefix="dsm_parts_") if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
@@ -152,7 +159,7 @@ def check_resume(top_stage, submodules, gas, clip=0.5, windows=4, lr=1e-2, via_s
         deepspeed_multi.save_checkpoint(root[0], {"mm": engine}, client_state={"windows": 2})
     else:
         engine.save_checkpoint(root[0], client_state={"windows": 2})
-    resumed, _, _ = build(top_stage, submodules, gas, clip, lr)
+    resumed, _, _ = build(top_stage, submodules, gas, clip, lr, scheduler_on_returned=scheduler_on_returned)
     if via_set:
         client_state = deepspeed_multi.load_checkpoint(root[0], {"mm": resumed})
     else:
@@ -356,6 +363,7 @@ def run_features():
     check_16bit("fp16")  # and with the clip's whole-model norm (inf when any part overflows)
     check_resume(2, {"language_model": 3}, 2)
     check_resume(1, {"vision_tower": 2, "language_model": 3}, 2, via_set=True)
+    check_resume(2, {"language_model": 3}, 1, scheduler_on_returned=True)
 
 
 def check_destroy_and_rebuild(windows=2, gas=2, clip=0.5, lr=1e-2):
@@ -512,3 +520,26 @@ def trainer_parts_vs_ddp(gas=2):
                                              resume=os.path.join(out, "checkpoint-2"))
     assert [h["step"] for h in resumed] == [h["step"] for h in logs], (resumed, logs)
     tc.compare((resumed, rweights), (logs, weights), "LLaVA in parts resumed at step 2")
+
+
+def trainer_parts_resume_across_epochs(gas=2):
+    """LLaVA in parts under Trainer for 8 updates, 3 an epoch, with a cosine schedule after 2 warm-up
+    steps and weight decay, a checkpoint at every step: equal to a DDP Trainer (1e-5); resumed from the
+    checkpoint inside the first epoch (step 2), at its end (3) and at the end of the second (6), each
+    run ends bit-identical to the uninterrupted one, its logged steps too. Every resume runs at least
+    two updates and crosses an epoch boundary or starts one. (Trainer saves only at the end of an
+    accumulation window, so no checkpoint lies inside one.)"""
+    from transformers import Trainer
+
+    import trainer_checks as tc
+    from deepspeed_multi.transformers import Trainer as MultiTrainer
+    job = tc.ACROSS_EPOCHS
+    cfg = parts_trainer_config()
+    out = tc._shared_tmp()
+    logs, weights, _ = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, out=out, **job)
+    tc.compare((logs, weights), run_llava_trainer(Trainer, gas, **job)[:2], "LLaVA in parts, 8 updates")
+    for step in (2, 3, 6):
+        # (A resume writes its later checkpoints elsewhere: a set checkpoint's tag is never overwritten.)
+        resumed = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, out=tc._shared_tmp(),
+                                    resume=os.path.join(out, f"checkpoint-{step}"), **job)
+        tc.compare_bitwise(resumed[:2], (logs, weights), f"LLaVA in parts resumed at step {step}")

@@ -1,4 +1,4 @@
-"""Run issue 8's loops through deepspeed_multi.accelerate.Accelerator and plain accelerate.Accelerator
+"""Run the Accelerate loops through deepspeed_multi.accelerate.Accelerator and plain accelerate.Accelerator
 and print them side by side (the README's "With Accelerate" table, docs/accelerate_loops.md).
 
     python tests/multi_gpu/report_accelerate.py [--json out.json]

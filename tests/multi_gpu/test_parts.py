@@ -6,6 +6,7 @@ import parts_checks as checks
 from harness import run_distributed
 
 
-@pytest.mark.parametrize("cases", ["run_stages", "run_features", "run_construction", "trainer_parts_vs_ddp"])
+@pytest.mark.parametrize("cases", ["run_stages", "run_features", "run_construction", "trainer_parts_vs_ddp",
+                                   "trainer_parts_resume_across_epochs"])
 def test_multimodal_model_in_parts(cases):
     run_distributed(getattr(checks, cases), timeout_s=600)

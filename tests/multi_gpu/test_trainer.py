@@ -24,7 +24,8 @@ def test_trainer_again_over_the_trained_model():
 
 
 def test_trainer_save_resume_and_from_pretrained():
-    """save_steps + resume_from_checkpoint resume exactly; save_model -> from_pretrained round trip (ZeRO-2, ZeRO-3)."""
+    """A checkpoint at every step; resume_from_checkpoint inside an epoch and at its end resumes bit-identical
+    across the epoch boundary; save_model -> from_pretrained round trip (ZeRO-2, ZeRO-3)."""
     run_distributed(_both, timeout_s=400)
 
 

@@ -121,6 +121,25 @@ def _full_weights(trainer):
         return {n: p.detach().clone().float() for n, p in params.items()}
 
 
+def compare_bitwise(got, want, what):
+    """A resumed run against the uninterrupted one: the same logged steps, every logged loss, grad_norm and
+    learning rate and every final weight bit-identical (fp32)."""
+    (glogs, gweights), (wlogs, wweights) = got, want
+    assert [h["step"] for h in glogs] == [h["step"] for h in wlogs], (what, glogs, wlogs)
+    for g, w in zip(glogs, wlogs):
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert g[key] == w[key], f"{what}: step {w['step']} {key} {g[key]!r}, uninterrupted {w[key]!r}"
+    errs = {n: (gweights[n] - wweights[n]).abs().max().item() for n in wweights}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] == 0, f"{what}: final weights differ from the uninterrupted run's by {errs[worst]:.3e} (at {worst})"
+
+
+# 8 updates with a checkpoint at each, across epoch boundaries (this dataset gives 5 updates an epoch at gas 2,
+# the LLaVA one 3), a schedule and weight decay that make every update's learning rate and decay matter.
+ACROSS_EPOCHS = dict(max_steps=8, save_strategy="steps", save_steps=1, lr_scheduler_type="cosine", warmup_steps=2,
+                     weight_decay=0.1)
+
+
 def compare(got, want, what):
     (glogs, gweights), (wlogs, wweights) = got, want
     assert len(glogs) == len(wlogs) and len(wlogs) >= 2, f"{what}: {len(glogs)} logged steps, DDP {len(wlogs)}"
@@ -233,27 +252,29 @@ def _scale_wrt_gas_refused_outside_trainer():
 
 
 def save_resume_and_from_pretrained(stage, gas=2):
-    """Trainer's save_steps checkpoint, then resume_from_checkpoint in a new Trainer: the same logged
-    losses and final weights as the uninterrupted run; save_model -> from_pretrained gives the trained weights."""
-    from transformers import AutoModelForCausalLM
+    """8 updates under Trainer with a checkpoint at every step (ACROSS_EPOCHS), equal to DDP's; resumed
+    with resume_from_checkpoint in a new Trainer from inside the first epoch (step 2; the epoch ends at
+    step 5) and at its end (step 5), each run ends bit-identical to the uninterrupted one;
+    save_model -> from_pretrained gives the trained weights."""
+    from transformers import AutoModelForCausalLM, Trainer
 
     from deepspeed_multi.transformers import Trainer as MultiTrainer
     cfg = ds_config(stage, gas, None)
     # As under upstream DeepSpeed: without this key a ZeRO-3 save_model writes a DeepSpeed checkpoint only.
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     out = _shared_tmp()
-    whole, weights, trainer = run_trainer(MultiTrainer, gas, 0.5, deepspeed=cfg, out=out, save_strategy="steps",
-                                          save_steps=2)
+    whole, weights, trainer = run_trainer(MultiTrainer, gas, 0.5, deepspeed=cfg, out=out, **ACROSS_EPOCHS)
     trainer.save_model(os.path.join(out, "final"))
     dist.barrier()
     loaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     err = max((p.float() - weights[n]).abs().max().item() for n, p in loaded.named_parameters())
     assert err == 0, f"ZeRO-{stage}: save_model -> from_pretrained differs from the trained weights by {err:.3e}"
-    resumed, rweights, _ = run_trainer(MultiTrainer, gas, 0.5, deepspeed=cfg, out=out,
-                                       resume=os.path.join(out, "checkpoint-2"))
-    # The resumed history holds the checkpoint's steps 1-2 and its own 3-5 (from scratch it would hold 1-2 twice).
-    assert [h["step"] for h in resumed] == [h["step"] for h in whole], (resumed, whole)
-    compare((resumed, rweights), (whole, weights), f"ZeRO-{stage} resumed at step 2")
+    compare((whole, weights), run_trainer(Trainer, gas, 0.5, **ACROSS_EPOCHS)[:2], f"ZeRO-{stage}, 8 updates")
+    for step in (2, 5):
+        # The resumed history holds the checkpoint's steps and its own (from scratch it would repeat them).
+        resumed = run_trainer(MultiTrainer, gas, 0.5, deepspeed=cfg, out=_shared_tmp(),
+                              resume=os.path.join(out, f"checkpoint-{step}"), **ACROSS_EPOCHS)
+        compare_bitwise(resumed[:2], (whole, weights), f"ZeRO-{stage} resumed at step {step}")
     return dist.get_rank()
 
 

@@ -1,0 +1,647 @@
+"""Write benchmarks/PERFORMANCE.md from the benchmarks' JSON results, one section per claim.
+
+    python benchmarks/render_report.py [--results benchmarks/results] [--out benchmarks/PERFORMANCE.md]
+                                       [--readme README.md]
+
+Run by ``make bench`` after the benchmarks (``benchmarks/run_all.sh``). Every figure in the report is
+read or computed from a JSON file under ``--results`` (GPU cards: ``--results``/gpu/ and its
+subfolders); nothing is typed by hand. A figure goes through :meth:`Report.fig`, which records it
+for its section, so tests/unit/test_render_report.py can check that every number a section prints
+came from a JSON. A result file that is missing renders as "not measured" with the command that
+makes it. ``--readme`` rewrites the README's performance table (between the two markers) from the
+same figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+README_BEGIN = "<!-- performance table: written by benchmarks/render_report.py -->"
+README_END = "<!-- end of performance table -->"
+# A number as the report prints it; the test scans the report with the same pattern.
+# Not a digit of a name: ZeRO-3, bf16, x86_64, Z2+Z3, trl#1730; but the upper end of a range (0.96-1.10) is one.
+NUMBER = re.compile(r"(?<![\w.+/#])(?<![A-Za-z_]-)\d+(?:[.,]\d+)*")
+
+
+def numbers(text: str) -> list:
+    """The numeric tokens of ``text`` outside code spans and link targets."""
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return NUMBER.findall(text)
+
+
+def anchor(title: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def paired(ours, base):
+    """Per-step paired ratios ours[i] / base[i] (the two ran back to back in step i)."""
+    return [a / b for a, b in zip(ours, base)]
+
+
+def quartiles(xs):
+    """(q1, median, q3) of ``xs``; q1 = q3 = median below four values."""
+    med = statistics.median(xs)
+    if len(xs) < 4:
+        return med, med, med
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    return q1, med, q3
+
+
+class Report:
+    def __init__(self, results: Path, out_dir: Path = HERE):
+        self.results = results
+        self.out_dir = out_dir
+        self.lines = []
+        self.figures = {}  # section title -> set of numeric tokens printed through fig()
+        self.section = None
+        self.summary = []  # (claim, compared, figure text, anchor) for the README table
+
+    # ------------------------------------------------------------------ figures and files
+    def fig(self, value, fmt: str = ".3f") -> str:
+        """Format a value read from a JSON and record its numeric tokens for this section."""
+        text = "unknown" if value is None else (value if isinstance(value, str) else format(value, fmt))
+        self.figures.setdefault(self.section, set()).update(NUMBER.findall(text))
+        return text
+
+    def opt(self, value, fmt: str = ".3f") -> str:
+        """A figure a run may not have measured (memory under ``--no-memory``): "-" when absent."""
+        return "-" if value is None else self.fig(value, fmt)
+
+    def ratio(self, ours, base) -> str:
+        """Median of per-step paired ratios with its interquartile range, e.g. ``0.992 (0.95-1.03)``."""
+        q1, med, q3 = quartiles(paired(ours, base))
+        return f"{self.fig(med)} ({self.fig(q1, '.2f')}-{self.fig(q3, '.2f')})"
+
+    @staticmethod
+    def quotient(ours, base):
+        """ours' peak memory / base's, or None where either was not measured."""
+        a, b = ours.get("peak_mb"), base.get("peak_mb")
+        return a / b if a is not None and b else None
+
+    def load(self, rel: str):
+        path = self.results / rel
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def rel(self, rel: str) -> str:
+        """``rel`` (under the results) as a path from the report's folder, for links."""
+        return os.path.relpath(self.results / rel, self.out_dir)
+
+    def result(self, rel: str):
+        """The JSON at ``rel`` with its machine line written, or None with a "not measured" line."""
+        data = self.load(rel)
+        if data is None:
+            self.missing(rel)
+        else:
+            self.out(self.machine(data, rel), "")
+        return data
+
+    def machine(self, data, rel: str) -> str:
+        m = data.get("meta", {}) if data else {}
+        where = m.get("gpu") or (m.get("device") if m.get("device") not in (None, "cpu") else None) or "no GPU"
+        cpu = m.get("cpu") or "CPU model unknown"
+        cores = self.fig(m.get("cpus"), "d") + " cores" if m.get("cpus") else "cores unknown"
+        ds = self.fig(m.get("deepspeed")) if m.get("deepspeed") else "unknown"
+        return (f"_Run: `{rel}`: {self.fig(cpu)}, {cores}, {self.fig(where)}, torch {self.fig(m.get('torch'))}, DeepSpeed {ds}, "
+                f"{self.fig(m.get('time')) if m.get('time') else 'date unknown'}._")
+
+    # ------------------------------------------------------------------ layout
+    def out(self, *lines):
+        self.lines.extend(lines)
+
+    def start(self, title: str, compared: str, baseline: str, command: str):
+        self.section = title
+        self.out(f"## {title}", "", f"**Compared:** {compared}  ", f"**Baseline:** {baseline}  ",
+                 f"**Rerun:** `{command}`", "")
+
+    def plot(self, rel: str):
+        if (self.results / rel).exists():
+            self.out(f"![{Path(rel).stem}]({self.rel(rel)})", "")
+
+    def missing(self, rel: str):
+        self.out(f"Not measured: `{self.rel(rel)}` is not in these results.", "")
+
+    def table(self, headers, rows):
+        self.out("| " + " | ".join(headers) + " |", "|" + "---|" * len(headers))
+        self.out(*("| " + " | ".join(str(c) for c in row) + " |" for row in rows))
+        self.out("")
+
+    def headline(self, claim: str, compared: str, figure: str):
+        self.summary.append((claim, compared, figure, anchor(self.section)))
+
+    # ------------------------------------------------------------------ claims
+    def overhead(self):
+        self.start("Single-engine overhead against upstream",
+                   "one engine, one model (`overhead.py`): `deepspeed_multi.initialize` + `loss.backward()`",
+                   "upstream `deepspeed.initialize` + `engine.backward(loss)`, same ranks, steps interleaved",
+                   "python benchmarks/overhead.py --dtypes fp32 bf16 --steps 40 --no-memory")
+        for rel, card in (("overhead.json", "CPU"), ("gpu/overhead.json", "GPU")):
+            data = self.result(rel)
+            if data is None:
+                continue
+            rows = []
+            for r in data["rows"]:
+                rows.append([f"ZeRO-{r['stage']}", r["dtype"], self.fig(r["upstream_ms"], ".1f"),
+                             self.fig(r["ours_ms"], ".1f"),
+                             self.ratio(r["raw_ms"]["ours"], r["raw_ms"]["upstream"])])
+            self.table(["stage", "dtype", "upstream ms", "ours ms", "ours / upstream (IQR)"], rows)
+            if card == "GPU":
+                self.headline(f"one engine on one {self.fig(data['meta']['gpu'])}, one rank, fp32 / bf16",
+                              "upstream `engine.backward(loss)`",
+                              " / ".join(self.fig(r["ratio"]) for r in data["rows"] if r["dtype"] == "fp32") + ", " +
+                              " / ".join(self.fig(r["ratio"]) for r in data["rows"] if r["dtype"] == "bf16"))
+            if card == "CPU":
+                self.headline("one engine, `loss.backward()`, ZeRO-1/2/3 fp32",
+                              "upstream `engine.backward(loss)`",
+                              " / ".join(self.fig(r["ratio"]) for r in data["rows"] if r["dtype"] == "fp32"))
+        self.plot("overhead.png")
+        self.features()
+        self.out("ZeRO-3's update reads the gradient buffer as a view instead of DeepSpeed's flattened copy "
+                 "(`zero3_grad_view.py`, the peers LLM alone):", "")
+        view = self.result("zero3_grad_view.json")
+        if view is None:
+            return
+        res = view["results"]
+        rows = [[name, self.fig(v["step_ms"], ".1f"), self.fig(v["total_ms"], ".1f"),
+                 self.fig(v.get("view_over_this_step", 1.0)), self.fig(v.get("view_over_this_total", 1.0)),
+                 self.fig(v["peak_mb"], ".1f")] for name, v in res.items()]
+        self.table(["variant", "`step()` ms", "iteration ms", "view / this (step)", "view / this (iteration)",
+                    "peak MiB"], rows)
+        self.out(f"Weights bit-identical between view and copy: {view.get('bit_identical')}.", "")
+        self.headline("ZeRO-3 update: the gradient buffer as a view", "DeepSpeed's flattened copy",
+                      f"`step()` {self.fig(res['copy']['view_over_this_step'])}")
+
+    def features(self):
+        self.out("The single-engine features on against off in the same ranks (`overhead.py --<feature>`; machine "
+                 f"lines: [Machines and files](#{anchor('Machines and files')})), paired per step:", "")
+        rows = []
+        for feature, off in (("overflow_by_norm", "ours_off"), ("bucket_size", "ours_off"),
+                             ("lazy_grads", "ours_off"), ("cast_on_gather", "ours_off")):
+            data = self.load(f"overhead_{feature}.json")
+            if data is None:
+                continue
+            for r in data["rows"]:
+                raw = r["raw_ms"]
+                off = "ours_off" if "ours_off" in raw else "ours_watchdog_off"  # the watchdog's older name for it
+                rows.append([feature.replace("_", "-"), f"ZeRO-{r['stage']} {r['dtype']}", self.ratio(raw["ours"], raw[off]),
+                             self.ratio(raw["ours"], raw["upstream"]), self.fig(r["ours_ms"], ".1f")])
+        if rows:
+            self.table(["feature", "config", "on / off (IQR)", "on / upstream (IQR)", "ours ms"], rows)
+
+    def fused_path(self):
+        self.start("Many small parameters: the fused path",
+                   "a model of many small `Linear` layers, gradient accumulation, three engines interleaved: "
+                   "ours with the fused bucket passes on, ours with them off, upstream",
+                   "upstream `engine.backward(loss)`, and ours with `fused_reduce: false`",
+                   "python benchmarks/fused_reduce_e2e.py --steps 20")
+        data = self.result("fused_reduce_e2e.json")
+        if data is None:
+            return
+        m = data["meta"]
+        self.out(f"Model: {self.fig(m['layers'], 'd')} x `Linear` of width {self.fig(m['dim'], 'd')}, "
+                 f"gas {self.fig(m['gas'], 'd')}, {self.fig(m['world'], 'd')} ranks, median of "
+                 f"{self.fig(m['steps'], 'd')} steps.", "")
+        rows = []
+        for r in data["rows"]:
+            raw = r.get("raw_ms")
+            rows.append([f"ZeRO-{r['stage']}", self.fig(r["upstream_ms"], ".2f"), self.fig(r["off_ms"], ".2f"),
+                         self.fig(r["on_ms"], ".2f"),
+                         self.ratio(raw["off"], raw["on"]) if raw else self.fig(r["off_over_on"]) + " (IQR unknown)",
+                         self.ratio(raw["upstream"], raw["on"]) if raw else self.fig(r["upstream_over_on"]) + " (IQR unknown)",
+                         self.fig(r["max_abs_diff"], ".1e")])
+        self.table(["stage", "upstream ms", "off ms", "on ms", "off / on", "upstream / on", "max abs(w_on - w_off)"], rows)
+        z2 = next((r for r in data["rows"] if r["stage"] == 2), None)
+        if z2:
+            self.headline("many small parameters, ZeRO-2, fused bucket passes", "upstream `engine.backward(loss)`",
+                          f"{self.fig(z2['upstream_over_on'])}x faster")
+
+    def growth(self):
+        self.start("Engines in one loss: against the super-module and DeepSpeed's own engines",
+                   "N engines under one `loss.backward()` (`two_engines.py`: encoder ZeRO-2 -> LLM ZeRO-3; "
+                   "`growth.py`: N one-block towers, chained or side by side, stages alternating, all ZeRO-2 "
+                   "or all ZeRO-3; and an encoder -> LLM pair as its parameter count grows)",
+                   "the same modules in one upstream ZeRO-3 engine (the super-module); `growth.py --upstream` "
+                   "adds DeepSpeed's own N engines",
+                   "python benchmarks/growth.py --upstream && python benchmarks/two_engines.py")
+        two = self.result("two_engines.json")
+        if two is not None:
+            rows, base = [], {r["variant"]: r for r in two["rows"]}
+            for r in two["rows"]:
+                sup = base.get("super-module (frozen LLM)" if "frozen" in r["variant"] else "super-module")
+                rows.append([r["variant"], self.fig(r["ms"], ".1f"), self.ratio(r["raw_ms"], sup["raw_ms"]),
+                             self.opt(r.get("peak_mb"), ".1f"), self.opt(r.get("mem_vs_supermodule"))])
+            self.table(["variant", "ms", "time / super-module (IQR)", "peak MiB", "memory / super-module"], rows)
+            self.plot("two_engines.png")
+            r = base["two engines"]
+            self.headline("encoder (ZeRO-2) -> LLM (ZeRO-3), two engines", "super-module in one ZeRO-3 engine",
+                          f"time {self.fig(r['time_vs_supermodule'])}, memory {self.opt(r.get('mem_vs_supermodule'))}")
+        data = self.result("growth.json")
+        if data is None:
+            return
+        ns = sorted({r["n"] for r in data["engines"]})
+        has_up = any("upstream" in r for r in data["engines"])
+        rows = []
+        for stages in dict.fromkeys(r["stages"] for r in data["engines"]):
+            for wiring in dict.fromkeys(r["wiring"] for r in data["engines"]):
+                cells = {r["n"]: r for r in data["engines"] if r["stages"] == stages and r["wiring"] == wiring}
+                row = [self.fig(stages), wiring]
+                for n in ns:
+                    r = cells.get(n)
+                    row.append(self.ratio(r["ours"], r["super-module"]) if r else "-")
+                rows.append(row)
+                if has_up:
+                    rows.append([self.fig(stages), wiring + ", / DeepSpeed's N engines"] + [
+                        self.ratio(cells[n]["ours"], cells[n]["upstream"]) if n in cells and "upstream" in cells[n]
+                        else "-" for n in ns])
+        self.out("Ours / super-module (paired median, IQR) by number of engines N; stages `alt` alternates ZeRO-2 and "
+                 "ZeRO-3 engines, `2` and `3` put every engine at that stage:", "")
+        self.table(["stages", "wiring"] + [f"N = {self.fig(n, 'd')}" for n in ns], rows)
+        if not has_up:
+            self.out("DeepSpeed's own N engines under one loss are not in these results "
+                     "(`growth.py --upstream` adds them); their collectives are counted in "
+                     f"[What one step issues](#{anchor('What one step issues')}).", "")
+        rows = [[self.fig(r["params"], ",d"), self.fig(r["ours_ms"], ".1f"), self.fig(r["super_ms"], ".1f"),
+                 self.ratio(r["ours"], r["super-module"])] for r in data.get("params", [])]
+        if rows:
+            self.out("Encoder (ZeRO-2) -> LLM (ZeRO-3) by parameter count:", "")
+            self.table(["parameters", "ours ms", "super-module ms", "ours / super-module (IQR)"], rows)
+        self.plot("growth.png")
+
+    def peers(self):
+        self.start("Encoder to LLM against FSDP2: time and memory by buffer",
+                   "encoder ZeRO-2 -> LLM ZeRO-3, both trained, one loss, AdamW, two sizes (`peers.py`); "
+                   "memory by buffer (`memory_breakdown.py`: what each holder keeps after the backward, "
+                   "the peak of live tensors in a step and its phase)",
+                   "PyTorch FSDP2 (`fully_shard` per block) and the super-module (one upstream ZeRO-3 engine)",
+                   "python benchmarks/peers.py && python benchmarks/memory_breakdown.py --repeat 3 --at-peak")
+        data = self.result("peers.json")
+        if data is not None:
+            rows = []
+            for size in dict.fromkeys(r["size"] for r in data["rows"]):
+                group = [r for r in data["rows"] if r["size"] == size]
+                ours = next(r for r in group if r["variant"].startswith("ours"))
+                for r in group:
+                    rows.append([size, self.fig(r["params"], ",d"), r["variant"], self.fig(r["ms"], ".1f"),
+                                 "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]),
+                                 self.opt(r.get("peak_mb"), ".1f"), "-" if r is ours else self.opt(r.get("ours_mem_ratio"))])
+                fsdp = next(r for r in group if r["variant"] == "FSDP2")
+                self.headline(f"encoder -> LLM, {size} ({self.fig(ours['params'], ',d')} parameters)",
+                              "PyTorch FSDP2", f"time {self.fig(fsdp['ours_time_ratio'])}, "
+                              f"peak RSS {self.opt(fsdp.get('ours_mem_ratio'))}")
+            self.table(["size", "parameters", "variant", "ms", "ours / this, time (IQR)", "peak RSS MiB",
+                        "ours / this, memory"], rows)
+            self.plot("peers.png")
+        mem = self.result("memory_breakdown.json")
+        if mem is not None:
+            self.out("MiB per rank after the last backward, by holder; peak of live tensors over a step / FSDP2's "
+                     "(median over repeats, with their range):", "")
+            self.memory_table(mem, "peak_live_mb")
+            block = [r for r in mem["rows"] if r["variant"].startswith("ours, block") and r["size"] == "large"]
+            self.headline("peak live tensors, encoder -> LLM large, per-block settings", "PyTorch FSDP2",
+                          ", ".join(f"{r['dtype']} {self.fig(r['live_ratio'], '.2f')}" for r in block))
+            self.plot("memory_breakdown.png")
+        for card in self.cards():
+            gpu = self.load(f"{card}/memory_breakdown_bucket.json")
+            if gpu is None:
+                continue
+            self.out(f"On one GPU, one rank (nothing sharded across ranks: a check of the method), the allocator's "
+                     "peak over a step:", "", self.machine(gpu, f"{card}/memory_breakdown_bucket.json"), "")
+            self.memory_table(gpu, "cuda_step_peak_mb")
+
+    def memory_table(self, data, peak_key):
+        buckets = ["parameters", "fp32 master", "gradients", "buckets", "optimizer states"]
+        rows = []
+        for r in data["rows"]:
+            fsdp = next((f for f in data["rows"] if f["variant"] == "FSDP2" and f["size"] == r["size"]
+                         and f["dtype"] == r["dtype"]), None)
+            by = r["by_buffer_mb"]
+            ratio = "-"
+            if fsdp is not None and r is not fsdp:
+                runs = r.get("live_ratio_runs") if peak_key == "peak_live_mb" else None
+                ratio = self.fig(r[peak_key] / fsdp[peak_key], ".2f")
+                if runs:
+                    ratio = (f"{self.fig(r['live_ratio'], '.2f')} ({self.fig(min(runs), '.2f')}-"
+                             f"{self.fig(max(runs), '.2f')})")
+            rows.append([r["size"], r["dtype"], r["variant"]] + [self.fig(by.get(b, 0.0), ".1f") for b in buckets] + [
+                self.fig(r["activations_mb"], ".1f"), self.fig(r[peak_key], ".1f"), r["peak_phase"], ratio])
+        self.table(["size", "dtype", "variant"] + buckets + ["activations", "peak", "peak phase", "peak / FSDP2"], rows)
+
+    def parts(self):
+        self.start("One model in parts: against whole-model ZeRO-3 and FSDP2",
+                   "vision tower -> projector -> LLM as one module under one loss, the LLM at ZeRO-3 and the "
+                   "rest at ZeRO-2 (`deepspeed_multi.submodules`), two sizes, fp32 and bf16 (`parts.py`); and "
+                   "the peak memory while building the model",
+                   "the whole model in one upstream ZeRO-3 engine; PyTorch FSDP2 sharding only the LLM; for "
+                   "building, plain construction and `deepspeed.zero.Init` for the whole model",
+                   "python benchmarks/parts.py")
+        data = self.result("parts.json")
+        if data is None:
+            return
+        rows = []
+        for r in data["rows"]:
+            ours = next(o for o in data["rows"] if o["size"] == r["size"] and o["dtype"] == r["dtype"]
+                        and o["variant"].startswith("ours"))
+            rows.append([r["size"], self.fig(r["params"], ",d"), r["dtype"], r["variant"], self.fig(r["ms"], ".1f"),
+                         "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]), self.opt(r.get("peak_mb"), ".1f"),
+                         "-" if r is ours else self.opt(r.get("ours_mem_ratio"))])
+        self.table(["size", "parameters", "dtype", "variant", "ms", "ours / this, time (IQR)", "peak MiB",
+                    "ours / this, memory"], rows)
+        whole = [r for r in data["rows"] if r["variant"].startswith("whole")]
+        self.headline("one model in parts (LLM ZeRO-3, the rest ZeRO-2), time", "whole model in one ZeRO-3 engine",
+                      "; ".join(f"{r['size']} {r['dtype']} {self.fig(r['ours_time_ratio'])}" for r in whole))
+        rows = [[c["size"], c["dtype"], c["build"], self.fig(c["peak_mb"], ".1f"),
+                 self.fig(c["llm_params_on_rank"], ",d"), self.fig(c["llm_params"], ",d")]
+                for c in data.get("construction", [])]
+        if rows:
+            self.out("Building the model:", "")
+            self.table(["size", "dtype", "build", "peak MiB per rank", "LLM parameters on a rank", "LLM parameters"],
+                       rows)
+        self.plot("parts.png")
+
+    def distillation(self):
+        self.start("Distillation", "a trained student and a frozen teacher (teacher forward under "
+                   "`torch.no_grad()`), ours with the student at ZeRO-2 and the teacher at ZeRO-3, and both at ZeRO-3",
+                   "the same layouts as upstream engines, and both models at ZeRO-3",
+                   "python benchmarks/distillation.py")
+        data = self.result("distillation.json")
+        if data is None:
+            return
+        by = {r["variant"]: r for r in data["rows"]}
+        rows = []
+        for r in data["rows"]:
+            cells = [r["variant"], self.fig(r["ms"], ".1f"), self.opt(r.get("peak_mb"), ".1f")]
+            up = by.get(r["variant"].replace("ours", "upstream"))
+            cells.append(self.ratio(r["raw_ms"], up["raw_ms"]) if r["variant"].startswith("ours") and up else "-")
+            z3 = by.get("ours Z3+Z3")
+            cells.append(self.ratio(r["raw_ms"], z3["raw_ms"]) + ", memory " + self.opt(self.quotient(r, z3))
+                         if r["variant"] == "ours Z2+Z3" and z3 else "-")
+            rows.append(cells)
+        self.table(["variant", "ms", "peak MiB", "ours / upstream, same layout (IQR)", "Z2+Z3 / Z3+Z3 (IQR)"], rows)
+        self.plot("distillation.png")
+        o, z3 = by.get("ours Z2+Z3"), by.get("ours Z3+Z3")
+        if o and z3:
+            self.headline("distillation: ZeRO-2 student + frozen ZeRO-3 teacher", "both at ZeRO-3",
+                          f"time {self.fig(quartiles(paired(o['raw_ms'], z3['raw_ms']))[1])}, "
+                          f"memory {self.opt(self.quotient(o, z3))}")
+
+    def rlhf(self):
+        self.start("RLHF step", "actor (ZeRO-2) and critic (ZeRO-3) trained, reference and reward (ZeRO-3) frozen, the "
+                   "actor's output through the reward model with grad; ours: one `loss.backward()`",
+                   "upstream: `actor.backward` + `critic.backward` (the reward model called unwrapped: upstream "
+                   "refuses a gradient through a frozen engine)", "python benchmarks/rlhf_step.py")
+        data = self.result("rlhf_step.json")
+        if data is None:
+            return
+        raw = data["raw_ms"]
+        rows = [[phase, self.fig(data["median_ms"]["upstream"][phase], ".1f"),
+                 self.fig(data["median_ms"]["ours"][phase], ".1f"), self.ratio(raw["ours"][phase], raw["upstream"][phase])]
+                for phase in data["median_ms"]["ours"]]
+        peak = data.get("peak_mb") or {}
+        rows.append(["peak MiB", self.opt(peak.get("upstream"), ".1f"), self.opt(peak.get("ours"), ".1f"),
+                     self.opt(self.quotient({"peak_mb": peak.get("ours")}, {"peak_mb": peak.get("upstream")}))])
+        self.table(["phase", "upstream ms", "ours ms", "ours / upstream (IQR)"], rows)
+        self.plot("rlhf_step.png")
+        self.headline("RLHF step, four engines, one `loss.backward()`", "upstream, one `engine.backward` per trained engine",
+                      self.fig(quartiles(paired(raw["ours"]["total"], raw["upstream"]["total"]))[1]))
+
+    def dpo(self):
+        self.start("TRL DPO: the reference at its own stage",
+                   "one `trl.DPOTrainer` step on a Llama built from a config, `multi_engine_trainer(DPOTrainer)` with "
+                   "the policy at ZeRO-2 and the reference at ZeRO-3 (`deepspeed_roles`); each variant in fresh "
+                   "processes, not interleaved",
+                   "the policy at ZeRO-3 too; plain TRL (its reference at stage 0, a full replica per rank); our "
+                   "trainer without roles", "python benchmarks/dpo_roles.py")
+        data = self.result("dpo_roles.json")
+        if data is None:
+            return
+        m = data["meta"].get("model", {})
+        self.out(f"Model: hidden {self.fig(m.get('hidden'), 'd')}, {self.fig(m.get('layers'), 'd')} layers, vocabulary "
+                 f"{self.fig(m.get('vocab'), 'd')}, {self.fig(data['meta'].get('dtype'))}.", "")
+        rows = []
+        for r in data["rows"]:
+            q1, _, q3 = quartiles(r["raw_ms"])
+            rows.append([r["variant"], self.fig(r["stages"]["policy"], "d"), self.fig(r["stages"]["reference"], "d"),
+                         f"{self.fig(r['ms'], '.0f')} ({self.fig(q1, '.0f')}-{self.fig(q3, '.0f')})",
+                         self.fig(r["peak_mb"], ".1f"), self.fig(r["time_ours_over_this"]),
+                         self.fig(r["mem_ours_over_this"])])
+        self.table(["variant", "policy stage", "reference stage", "ms (IQR)", "peak MiB", "ours / this, time",
+                    "ours / this, memory"], rows)
+        z3 = next((r for r in data["rows"] if r["stages"]["policy"] == 3), None)
+        if z3:
+            self.headline("TRL DPO, policy ZeRO-2 + reference ZeRO-3", "both at ZeRO-3",
+                          f"time {self.fig(z3['time_ours_over_this'])}, memory {self.fig(z3['mem_ours_over_this'])}")
+
+    def counts(self):
+        self.start("What one step issues", "one step of `growth.py`'s towers and of the RLHF step, counted (not timed; "
+                   "max over ranks): collectives, operators dispatched, host syncs, store meetings (our ranks' "
+                   "rendezvous before an engine's collectives, gloo only) and what the step allocates",
+                   "upstream (N `deepspeed.initialize` engines, one `loss.backward()`) and the super-module",
+                   "python benchmarks/counts.py")
+        data = self.result("counts.json")
+        if data is None:
+            return
+        rows = []
+        for r in data["rows"]:
+            if r["workload"] != "rlhf step" and (r["workload"] != "towers chained" or r["n"] not in (1, 8, 16)):
+                continue
+            rows.append([r["workload"], self.fig(r["stages"]), self.fig(r["n"], "d"), r["variant"], self.fig(r["collectives"], "d"),
+                         self.fig(r["collective_mb"], ".1f"), self.fig(r["ops"], ",d"), self.fig(r["host_syncs"], "d"),
+                         self.fig(r["store_meetings"], "d"), self.fig(r["allocated_mb"], ",.1f")])
+        self.table(["workload", "stages", "N", "variant", "collectives", "collective MiB", "operators", "host syncs",
+                    "store meetings", "allocated MiB"], rows)
+        self.out("Every N, and the towers side by side: `results/counts.json`.", "")
+        self.plot("counts.png")
+        alt8 = {r["variant"]: r for r in data["rows"] if r["workload"] == "towers chained" and r["stages"] == "alt"
+                and r["n"] == 8}
+        if {"ours", "upstream"} <= set(alt8):
+            self.headline("what a step allocates, eight engines, DeepSpeed's default buckets", "upstream engines",
+                          f"{self.fig(alt8['ours']['allocated_mb'], ',.1f')} vs "
+                          f"{self.fig(alt8['upstream']['allocated_mb'], ',.1f')} MiB")
+
+    def cards(self):
+        """Result folders of GPU cards: gpu/ itself and each of its subfolders with JSON files."""
+        gpu = self.results / "gpu"
+        if not gpu.is_dir():
+            return []
+        found = [p for p in [gpu] + sorted(gpu.iterdir()) if p.is_dir() and any(p.glob("*.json"))]
+        return [str(p.relative_to(self.results)) for p in found]
+
+    def fused_ops(self):
+        self.start("Fused ops: CPU and GPU cards",
+                   "the fused gradient-bucket round trip (pack + scale + overflow flag, then unpack-accumulate into "
+                   "fp32 partitions) and ZeRO-3's reduce-scatter input (`pack_partitions`), op alone",
+                   "the unfused torch sequence ZeRO-2/3 run per tensor, a plain `copy_` of the same bytes, "
+                   "DeepSpeed's slice + cat + divide", "python benchmarks/fused_reduce.py [--device cuda]")
+        files = [("fused_reduce.json", "CPU")] + [
+            (f"{card}/{f.name}", card) for card in self.cards()
+            for f in sorted((self.results / card).glob("fused_reduce*.json"))]
+        for rel, _card in files:
+            data = self.result(rel)
+            if data is None:
+                continue
+            gpu = any("device_ms" in r for r in data["rows"])
+            self.out(f"Buckets of {self.fig(data['meta']['dtype'])}:", "")
+            rows = []
+            for (n, mb) in dict.fromkeys((r["tensors"], r["bucket_mb"]) for r in data["rows"]):
+                by = {r["method"]: r for r in data["rows"] if (r["tensors"], r["bucket_mb"]) == (n, mb)}
+                f = by["fused"]
+                row = [self.fig(n, ",d"), self.fig(mb, ".0f"), self.fig(by["copy"]["ms"], ".3f"), self.fig(f["ms"], ".3f"),
+                       self.fig(by["unfused"]["ms"], ".3f"), self.fig(f["speedup_vs_unfused"], ".1f")]
+                row.append(self.fig(f["device_fraction_of_copy"], ".2f") if gpu else self.fig(f["fraction_of_copy"], ".2f"))
+                rows.append(row)
+            self.table(["tensors", "bucket MB", "copy ms", "fused ms", "unfused ms", "fused vs unfused (x)",
+                        "copy / fused (GPU time)" if gpu else "copy / fused"], rows)
+            scatter = ", ".join(f"{self.fig(s['tensors'], ',d')} tensors / {self.fig(s['bucket_mb'], '.0f')} MB: "
+                                f"{self.fig(s['speedup'], '.1f')}x" for s in data.get("scatter_input", []))
+            if scatter:
+                self.out(f"Reduce-scatter input against DeepSpeed's: {scatter}.", "")
+            if gpu and data["meta"]["dtype"] == "bf16":
+                big = max((r for r in data["rows"] if r["method"] == "fused"), key=lambda r: (r["bucket_mb"], r["tensors"]))
+                self.headline(f"fused bucket pass, {self.fig(big['tensors'], ',d')} tensors / "
+                              f"{self.fig(big['bucket_mb'], '.0f')} MB bf16, {self.fig(data['meta']['device'])}",
+                              "the unfused torch sequence; a `copy_` of the same bytes (GPU time)",
+                              f"{self.fig(big['speedup_vs_unfused'], '.1f')}x faster; copy / fused "
+                              f"{self.fig(big['device_fraction_of_copy'], '.2f')}")
+            if rel == "fused_reduce.json":
+                big = max((r for r in data["rows"] if r["method"] == "fused"), key=lambda r: (r["bucket_mb"], r["tensors"]))
+                self.headline("fused gradient-bucket pass, CPU", "unfused torch sequence of ZeRO-2/3",
+                              f"{self.fig(big['speedup_vs_unfused'], '.1f')}x faster")
+        self.plot("fused_reduce.png")
+
+    def reliability(self):
+        self.start("Watchdog and rank-meeting cost",
+                   "one engine (the overhead model), ours with the watchdog on and off, with the ranks' meeting "
+                   "before an engine's collectives (`agree_before_collectives`) on and off, and with the ZeRO-0/1 "
+                   "rank-agreement check on and off",
+                   "ours with the feature off, and upstream, interleaved in the same ranks",
+                   "python benchmarks/overhead.py --watchdog && python benchmarks/overhead.py --meet && "
+                   "python benchmarks/overhead.py --rank-agreement")
+        rows = []
+        for feature in ("watchdog", "meet", "rank_agreement"):
+            rel = f"overhead_{feature}.json"
+            data = self.result(rel)
+            if data is None:
+                continue
+            for r in data["rows"]:
+                raw = r["raw_ms"]
+                off = "ours_off" if "ours_off" in raw else "ours_watchdog_off"  # the watchdog's older name for it
+                rows.append([feature.replace("_", "-"), f"ZeRO-{r['stage']} {r['dtype']}",
+                             self.ratio(raw["ours"], raw[off]), self.ratio(raw["ours"], raw["upstream"])])
+        if rows:
+            self.table(["feature", "config", "on / off (IQR)", "on / upstream (IQR)"], rows)
+
+    def limits(self):
+        self.section = "Limits and open gaps"
+        self.out(f"## {self.section}", "")
+        gaps = []
+        growth = self.load("growth.json")
+        if growth:
+            worst = max(growth["engines"], key=lambda r: r["ratio"])
+            gaps.append(f"Many ZeRO-3 engines under one loss are slower than one engine over the same modules: "
+                        f"up to {self.fig(worst['ratio'])} of the super-module (N = {self.fig(worst['n'], 'd')}, "
+                        f"stages {self.fig(worst['stages'])}, {worst['wiring']}). Each engine keeps its own reduction, norm "
+                        f"all-reduce and update; [docs/design.md]({os.path.relpath(ROOT / 'docs' / 'design.md', self.out_dir)}#decisions) "
+                        "says why they are "
+                        "not joined.")
+        mem = self.load("memory_breakdown.json")
+        if mem:
+            worst = max((r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"), key=lambda r: r["live_ratio"])
+            gaps.append(f"At DeepSpeed's default bucket sizes the peak of live tensors is "
+                        f"{self.fig(worst['live_ratio'], '.2f')}x FSDP2's ({worst['size']}, {worst['dtype']}); the "
+                        "per-block settings of the memory section bring it to FSDP2's.")
+        e2e = self.load("fused_reduce_e2e.json")
+        if e2e and not any(r.get("raw_ms") for r in e2e["rows"]):
+            gaps.append("The fused path's end-to-end run kept medians only, no per-step times: its spread is unknown "
+                        "until it is rerun.")
+        if growth and not any("upstream" in r for r in growth["engines"]):
+            gaps.append("DeepSpeed's own N engines are counted but not timed in these results.")
+        cards = self.cards()
+        gaps.append("Every GPU result here ran on one GPU, one rank: nothing in it measures communication across "
+                    "ranks." if cards else "No GPU results.")
+        gaps.append("CPU timings come from a shared two-core machine, two ranks on gloo: one run's ratio moves by a "
+                    "few percent, so read the IQR beside each figure, not its last digit.")
+        self.out(*(f"- {g}" for g in gaps), "")
+
+    def machines(self):
+        self.section = "Machines and files"
+        self.out(f"## {self.section}", "", "Every result file this report read, with the machine line it holds:", "")
+        rows = []
+        files = sorted(self.results.glob("*.json")) + [f for card in self.cards()
+                                                       for f in sorted((self.results / card).glob("*.json"))]
+        for path in files:
+            rel = str(path.relative_to(self.results))
+            m = json.loads(path.read_text()).get("meta", {})
+            gpu = m.get("gpu") or (m.get("device") if m.get("device") not in (None, "cpu") else None)
+            rows.append([f"`{rel}`", self.fig(m.get("cpu") or "unknown"),
+                         self.fig(m.get("cpus"), "d") if m.get("cpus") else "unknown", self.fig(gpu or "-"), self.fig(m.get("torch")),
+                         self.fig(m.get("deepspeed")) if m.get("deepspeed") else "unknown",
+                         self.fig(m.get("time")) if m.get("time") else "unknown"])
+        self.table(["file", "CPU", "cores", "GPU", "torch", "DeepSpeed", "date"], rows)
+
+    def render(self) -> str:
+        self.section = "How to read this"
+        self.out("# Performance", "",
+                 "Generated by `benchmarks/render_report.py` from the JSON results under "
+                 f"`{os.path.relpath(self.results, ROOT)}` (`make bench` reruns everything and this page; `make bench QUICK=1` is a short "
+                 "run into `benchmarks/results/quick/`). Each claim says what is compared, against what, on which "
+                 "machine, and the command that reruns it alone.", "",
+                 "## How to read this", "",
+                 "Every variant of a benchmark is built in the same ranks and stepped interleaved (the order rotates "
+                 "each step), so load on the machine hits all of them alike. A ratio is ours / the baseline: the "
+                 "median of per-step paired ratios, with their interquartile range (IQR) beside it; below one, ours "
+                 "is faster or smaller. Peak memory: each variant alone in fresh processes; on CPU the resident-set "
+                 "high-water mark above the start, on GPU the allocator's peak.", "")
+        for claim in (self.overhead, self.fused_path, self.growth, self.peers, self.parts, self.distillation,
+                      self.rlhf, self.dpo, self.counts, self.fused_ops, self.reliability, self.limits, self.machines):
+            claim()
+        return "\n".join(self.lines).rstrip() + "\n"
+
+    def readme_table(self) -> str:
+        self.section = "README"
+        lines = [README_BEGIN, "| claim | baseline | figure |", "|---|---|---|"]
+        lines += [f"| [{claim}](benchmarks/PERFORMANCE.md#{a}) | {base} | {fig} |" for claim, base, fig, a in self.summary]
+        return "\n".join(lines + [README_END])
+
+
+CLAIMS = ["Single-engine overhead against upstream", "Many small parameters: the fused path",
+          "Engines in one loss: against the super-module and DeepSpeed's own engines",
+          "Encoder to LLM against FSDP2: time and memory by buffer",
+          "One model in parts: against whole-model ZeRO-3 and FSDP2", "Distillation", "RLHF step",
+          "TRL DPO: the reference at its own stage", "What one step issues", "Fused ops: CPU and GPU cards",
+          "Watchdog and rank-meeting cost", "Limits and open gaps"]
+
+
+def update_readme(path: Path, table: str) -> None:
+    text = path.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < 0:
+        raise SystemExit(f"{path}: the markers {README_BEGIN!r} ... {README_END!r} are missing")
+    path.write_text(text[:start] + table + text[end + len(README_END):])
+    print(f"wrote the performance table of {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", type=Path, default=HERE / "results")
+    ap.add_argument("--out", type=Path, default=None, help="default: <results>/../PERFORMANCE.md for the main "
+                    "results, <results>/PERFORMANCE.md otherwise")
+    ap.add_argument("--readme", type=Path, default=None, help="rewrite this README's performance table")
+    args = ap.parse_args(argv)
+    results = args.results.resolve()
+    out = args.out or (HERE / "PERFORMANCE.md" if results == (HERE / "results").resolve() else results / "PERFORMANCE.md")
+    report = Report(results, out.resolve().parent)
+    out.write_text(report.render())
+    print(f"wrote {out}")
+    if args.readme:
+        update_readme(args.readme, report.readme_table())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""benchmarks/render_report.py: the report is rendered from the committed JSON results, every claim has its
+section, every number a section prints came from a JSON, and the README's and docs' figures are the report's."""
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import render_report as R  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.fixture(scope="module")
+def report():
+    rep = R.Report(RESULTS, ROOT / "benchmarks")
+    text = rep.render()
+    return rep, text
+
+
+def sections(text):
+    """Heading -> body of each '## ' section."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_every_claim_has_its_section_with_figures(report):
+    _, text = report
+    found = sections(text)
+    for claim in R.CLAIMS:
+        assert claim in found, f"no section {claim!r}"
+        body = found[claim]
+        assert "Not measured" not in body, f"{claim}: a committed result file is missing:\n{body}"
+        assert R.numbers(body), f"{claim}: no figure"
+
+
+def test_every_number_comes_from_a_json(report):
+    rep, text = report
+    for title, body in sections(text).items():
+        untraced = set(R.numbers(title + body)) - rep.figures.get(title, set())
+        assert not untraced, f"section {title!r} prints numbers not read from a JSON: {sorted(untraced)}"
+
+
+def test_ratios_equal_the_benchmarks_own(report):
+    """The renderer's paired medians are the ratios each benchmark computed and stored itself."""
+    _, text = report
+    body = sections(text)["Single-engine overhead against upstream"]
+    for row in json.loads((RESULTS / "overhead.json").read_text())["rows"]:
+        line = f"| ZeRO-{row['stage']} | {row['dtype']} | {row['upstream_ms']:.1f} | {row['ours_ms']:.1f} | {row['ratio']:.3f} ("
+        assert line in body, line
+    body = sections(text)["Engines in one loss: against the super-module and DeepSpeed's own engines"]
+    for row in json.loads((RESULTS / "growth.json").read_text())["engines"]:
+        assert f"{row['ratio']:.3f} (" in body
+
+
+def test_committed_report_is_the_rendered_one(report):
+    _, text = report
+    committed = (ROOT / "benchmarks" / "PERFORMANCE.md").read_text()
+    assert committed == text, "benchmarks/PERFORMANCE.md differs from what render_report.py makes of the results: " \
+                              "run python benchmarks/render_report.py --readme README.md"
+    assert len(text.splitlines()) < 500
+
+
+def test_readme_table_is_the_reports(report):
+    rep, _ = report
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index(R.README_BEGIN), readme.index(R.README_END) + len(R.README_END)
+    assert readme[start:end] == rep.readme_table()
+
+
+def _linked_paragraphs(path):
+    """(anchor, paragraph) for each paragraph (table row) of ``path`` that links into a section of the report."""
+    for para in re.split(r"\n\s*\n", path.read_text()):
+        units = para.splitlines() if para.lstrip().startswith("|") else [para]  # a table: row by row
+        for unit in units:
+            for a in re.findall(r"PERFORMANCE\.md#([\w\-]+)", unit):
+                yield a, unit
+
+
+def test_docs_figures_point_at_the_report_and_equal_it(report):
+    """A README/docs paragraph linking to a report section quotes only figures that section prints."""
+    _, text = report
+    by_anchor = {R.anchor(title): body for title, body in sections(text).items()}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for a, para in _linked_paragraphs(path):
+            assert a in by_anchor, f"{path.name}: link to #{a}, which is no section of the report"
+            if R.README_BEGIN in para:
+                continue  # the generated table, checked above
+            shown = set(R.numbers(by_anchor[a]))
+            quoted = {n for n in R.numbers(para) if "." in n or "," in n}  # measured figures, not counts of things
+            assert quoted <= shown, f"{path.name}: figures not in section #{a}: {sorted(quoted - shown)}\n{para}"
+
+
+def test_no_tracker_numbers_in_user_docs():
+    for path in [ROOT / "README.md", ROOT / "benchmarks" / "PERFORMANCE.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        hits = re.findall(r"[Ii]ssue [0-9]+", path.read_text())
+        assert not hits, f"{path.relative_to(ROOT)}: {hits}"
+
+
+def test_a_missing_result_renders_as_not_measured(tmp_path):
+    (tmp_path / "overhead.json").write_text((RESULTS / "overhead.json").read_text())
+    text = R.Report(tmp_path, tmp_path).render()
+    found = sections(text)
+    assert "1.016" not in found["Distillation"] and "Not measured" in found["Distillation"]
+    assert all(claim in found for claim in R.CLAIMS)
+
+
+def test_deepspeeds_own_engines_render_when_growth_has_them(tmp_path):
+    """growth.py --upstream adds each point's upstream step times: the growth table gets their row."""
+    data = json.loads((RESULTS / "growth.json").read_text())
+    for row in data["engines"]:
+        row["upstream"] = row["ours"]
+    (tmp_path / "growth.json").write_text(json.dumps(data))
+    rep = R.Report(tmp_path, tmp_path)
+    body = sections(rep.render())["Engines in one loss: against the super-module and DeepSpeed's own engines"]
+    assert "chained, / DeepSpeed's N engines | 1.000 (1.00-1.00)" in body
+    assert "own N engines under one loss are not in these results" not in body
+
+
+def test_a_typed_figure_is_caught(report):
+    """The traceability check is not vacuous: a number added by hand to a section is reported."""
+    rep, text = report
+    text = text.replace("## Distillation\n", "## Distillation\n\nAbout 1.2345 of upstream (0.1234-9.8765).\n")
+    assert set(R.numbers(sections(text)["Distillation"])) - rep.figures["Distillation"] == {"1.2345", "0.1234", "9.8765"}
+
+
+def test_a_run_without_memory_renders(tmp_path):
+    """`--no-memory` runs (make bench QUICK=1) leave the memory fields out or None; the watchdog's newer
+    JSON names its off variant ``ours_off``."""
+    for name in ("two_engines", "distillation", "peers", "parts", "rlhf_step", "overhead_watchdog"):
+        data = json.loads((RESULTS / f"{name}.json").read_text())
+        for row in data.get("rows", []):
+            row.pop("mem_vs_supermodule", None), row.pop("ours_mem_ratio", None)
+            row["peak_mb"] = None
+            if "ours_watchdog_off" in row.get("raw_ms", {}):
+                row["raw_ms"]["ours_off"] = row["raw_ms"].pop("ours_watchdog_off")
+        if name == "rlhf_step":
+            data["peak_mb"] = {"upstream": None, "ours": None}
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    found = sections(R.Report(tmp_path, tmp_path).render())
+    assert "| two engines | 192.1 | 0.993 (0.93-1.04) | - | - |" in found[R.CLAIMS[2]]
+    assert "| watchdog | ZeRO-1 fp32 | 0.983 (" in found["Watchdog and rank-meeting cost"]
