@@ -6,18 +6,35 @@ returns the module. It is cached
 
 * in-process: the first successful ``load()`` is reused (a failure is cached too, so a missing
   compiler is reported once, not on every call);
-* on disk: ``$DSM_BUILD_DIR`` if set, else ``~/.cache/deepspeed_multi/<torch version>/<name>``.
-  torch's loader takes a file lock (``lock`` in that directory) while building, so several ranks
-  calling ``load()`` at once build once and the others wait, then import the result.
+* on disk: ``$DSM_BUILD_DIR`` if set, else
+  ``~/.cache/deepspeed_multi/<torch version>/<name>-<key>``, the key a hash of the Python
+  environment (``sys.prefix``) and of the sources' path and contents, so that two environments or
+  two checkouts never build into (and overwrite) one directory.
+
+[Note: the build lock]
+Several ranks (on one node, or on nodes sharing a home directory) call ``load()`` at once. They
+meet on ``dsm.lock`` in the build directory, an ``flock``: the kernel drops it when its holder dies,
+so a build killed midway never leaves the next process waiting on a dead owner. The holder then
+builds; torch's loader has a lock of its own (a ``lock`` file it deletes when done), which a killed
+build leaves behind and on which torch would wait forever: whoever holds ``dsm.lock`` knows no live
+build of ours is running, so such a file is stale and is removed (saying so). A waiter says every
+few seconds what it waits on, and who holds it; the holder says that it is building (tens of
+seconds on first use).
 
 If ninja or the C++ compiler is missing, or compilation fails, ``load()`` raises
 :class:`BuildError` whose message says what is missing and how to fix it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
+import socket
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +55,10 @@ FALLBACK_NOTE = "the pure-PyTorch reference (deepspeed_multi.ops.reference) is u
 
 _lock = threading.Lock()
 _cache: dict[str, object] = {}
+
+LOCK_NAME = "dsm.lock"
+TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton
+WAIT_REPORT_SECONDS = float(os.environ.get("DSM_BUILD_WAIT_REPORT_SECONDS", "5"))
 
 
 class BuildError(RuntimeError):
@@ -63,7 +84,62 @@ def build_dir(cuda: bool) -> Path:
     if override:
         return Path(override).expanduser()
     version = torch.__version__.replace("+", "_")
-    return Path.home() / ".cache" / "deepspeed_multi" / version / extension_name(cuda)
+    return Path.home() / ".cache" / "deepspeed_multi" / version / f"{extension_name(cuda)}-{build_key(cuda)}"
+
+
+def build_key(cuda: bool) -> str:
+    """What makes one build differ from another beyond torch's version: the environment, the
+    sources (their path, so two checkouts differ; their bytes) and the flags."""
+    digest = hashlib.sha256()
+    for part in (sys.prefix, str(CSRC), repr(CFLAGS), repr(CUDA_CFLAGS), str(cuda)):
+        digest.update(part.encode() + b"\0")
+    for source in CPU_SOURCES + (CUDA_SOURCES if cuda else ()):
+        path = CSRC / source
+        digest.update(path.read_bytes() if path.exists() else b"missing")
+    return digest.hexdigest()[:12]
+
+
+def _say(message: str) -> None:
+    print(f"deepspeed_multi: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold ``dsm.lock`` in ``directory`` (see [Note: the build lock]); report while waiting."""
+    path = directory / LOCK_NAME
+    with open(path, "a+") as handle:
+        started = time.monotonic()
+        next_report = WAIT_REPORT_SECONDS
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - started
+                if waited >= next_report:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "an unknown process"
+                    _say(f"waiting {waited:.0f}s for the fused-reduce build in {directory} held by "
+                         f"{holder}; it takes tens of seconds on first use. If no such process is "
+                         f"running (a build on another host sharing this directory that died), "
+                         f"delete {path}, or set DSM_BUILD_DIR to a directory of this node's own.")
+                    next_report += max(WAIT_REPORT_SECONDS, 1.0) * 2
+                time.sleep(0.2)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        handle.flush()
+        try:
+            stale = directory / TORCH_LOCK_NAME
+            if stale.exists():
+                _say(f"removing {stale}, left by a build that was killed (no build holds {path})")
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()
+            handle.flush()
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def check_toolchain() -> None:
@@ -113,21 +189,24 @@ def _build(cuda: bool, verbose: bool):
     sources = [str(CSRC / s) for s in CPU_SOURCES + (CUDA_SOURCES if cuda else ())]
     cflags = CFLAGS + (["-DDSM_WITH_CUDA"] if cuda else [])
     try:
-        return jit_load(
-            name=extension_name(cuda),
-            sources=sources,
-            extra_cflags=cflags,
-            extra_cuda_cflags=CUDA_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(directory),
-            with_cuda=cuda,
-            verbose=verbose,
-        )
+        with build_lock(directory):
+            if not any(directory.glob(f"{extension_name(cuda)}*.so")):
+                _say(f"building the fused-reduce extension in {directory} (first use here; this "
+                     f"takes tens of seconds; `python -m deepspeed_multi.ops.build` prebuilds it)")
+            return jit_load(
+                name=extension_name(cuda),
+                sources=sources,
+                extra_cflags=cflags,
+                extra_cuda_cflags=CUDA_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(CSRC)],
+                build_directory=str(directory),
+                with_cuda=cuda,
+                verbose=verbose,
+            )
     except Exception as exc:  # compiler errors surface as RuntimeError/CalledProcessError
         raise BuildError(
             f"building the fused-reduce extension in {directory} failed: {exc}; rerun "
-            f"`python -m deepspeed_multi.ops.build --verbose` to see the compiler output; if a stale "
-            f"'lock' file is left in that directory by a killed build, delete it; until then "
+            f"`python -m deepspeed_multi.ops.build --verbose` to see the compiler output; until then "
             f"{FALLBACK_NOTE}"
         ) from exc

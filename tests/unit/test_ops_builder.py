@@ -1,10 +1,13 @@
 """JIT loader errors, the DSM_FUSED_REDUCE switch, the prebuild command and the nvcc compile check."""
+import fcntl
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +56,7 @@ def test_build_dir_default_and_override(monkeypatch, tmp_path):
     monkeypatch.delenv("DSM_BUILD_DIR", raising=False)
     default = builder.build_dir(cuda=False)
     assert default.parts[-4:-1] == (".cache", "deepspeed_multi", torch.__version__.replace("+", "_"))
+    assert default.name == f"dsm_fused_reduce-{builder.build_key(cuda=False)}"
     monkeypatch.setenv("DSM_BUILD_DIR", str(tmp_path))
     assert builder.build_dir(cuda=False) == tmp_path
 
@@ -127,7 +131,34 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     assert (tmp_path / "fused_reduce_cuda.o").stat().st_size > 0
 
 
-def test_concurrent_first_builds_from_two_processes(tmp_path):
+def _env_with_build_dir(directory, **extra):
+    env = dict(os.environ, DSM_BUILD_DIR=str(directory), **extra)
+    root = Path(builder.__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_a_build_killed_midway_is_taken_over_by_two_concurrent_builds(tmp_path):
+    """A rank killed while it built leaves torch's 'lock' file behind (torch would wait on it
+    forever); the next processes say what happened and build, once, both importing the result."""
+    try:
+        builder.check_toolchain()
+    except builder.BuildError as exc:
+        skip_unless_toolchain_missing(exc)
+    directory = tmp_path / "build"
+    env = _env_with_build_dir(directory)
+    killed = subprocess.Popen([sys.executable, "-c", "from deepspeed_multi.ops import builder; builder.load()"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (directory / builder.TORCH_LOCK_NAME).exists():
+        assert killed.poll() is None, killed.stderr.read()
+        assert time.monotonic() < deadline, "the build never took torch's lock"
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=30)
+    assert (directory / builder.TORCH_LOCK_NAME).exists()  # what the killed build left behind
+
     script = textwrap.dedent(
         """
         import torch
@@ -138,14 +169,52 @@ def test_concurrent_first_builds_from_two_processes(tmp_path):
         print("ok")
         """
     )
-    env = dict(os.environ, DSM_BUILD_DIR=str(tmp_path / "build"))
-    root = Path(builder.__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = []
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0 and "ok" in out, err
+        errs.append(err)
+    said = "".join(errs)
+    assert said.count("removing") == 1 and "killed" in said, said
+    assert said.count("building the fused-reduce extension") == 1, said
+
+
+def test_a_waiting_process_says_what_it_waits_on(tmp_path):
+    directory = tmp_path / "build"
+    directory.mkdir()
+    with open(directory / builder.LOCK_NAME, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid 4242 on host elsewhere\n")
+        held.flush()
+        script = ("import pathlib; from deepspeed_multi.ops import builder\n"
+                  f"with builder.build_lock(pathlib.Path({str(directory)!r})): print('got it')")
+        waiter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=_env_with_build_dir(directory, DSM_BUILD_WAIT_REPORT_SECONDS="0.5"))
+        first = waiter.stderr.readline()  # blocks until the waiter reports (or dies: '')
+        assert waiter.poll() is None, "took a lock that another process holds"
+        fcntl.flock(held, fcntl.LOCK_UN)
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0 and "got it" in out, first + err
+    assert "waiting" in first and "pid 4242 on host elsewhere" in first and "delete" in first, first + err
+
+
+def test_build_dirs_differ_by_environment_and_checkout(monkeypatch, tmp_path):
+    monkeypatch.delenv("DSM_BUILD_DIR", raising=False)
+    here = builder.build_dir(cuda=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    other_env = builder.build_dir(cuda=False)
+    monkeypatch.undo()
+    monkeypatch.delenv("DSM_BUILD_DIR", raising=False)
+    checkout = tmp_path / "checkout" / "csrc"
+    shutil.copytree(builder.CSRC, checkout)
+    monkeypatch.setattr(builder, "CSRC", checkout)
+    other_checkout = builder.build_dir(cuda=False)
+    (checkout / builder.CPU_SOURCES[0]).write_text((checkout / builder.CPU_SOURCES[0]).read_text() + "\n// edited\n")
+    edited = builder.build_dir(cuda=False)
+    assert len({here, other_env, other_checkout, edited}) == 4
 
 
 def test_reference_flag_propagates_nan_and_inf():
