@@ -54,6 +54,18 @@ def partitioned(engine_dir):
     return bool(glob.glob(os.path.join(engine_dir, _OPTIM_FILES)))
 
 
+def missing_slices(path, names, world):
+    """The optimizer-slice files of ``world`` saved ranks that the engines ``names`` lack under ``path``
+    (on node-local storage each node's copy holds its own ranks' slices only)."""
+    missing = []
+    for name in names:
+        have = {os.path.basename(f) for f in glob.glob(os.path.join(path, name, _OPTIM_FILES))}
+        for r in range(world):
+            if not any(f"zero_pp_rank_{r}_" in f for f in have):
+                missing.append(os.path.join(name, f"*zero_pp_rank_{r}_*{_OPTIM_FILES[1:]}"))
+    return missing
+
+
 def convert(path, names, target):
     """Convert the engines ``names`` of the set checkpoint at ``path`` into universal form under
     ``target`` (one process; atomic: a staging directory renamed when every engine is done).

@@ -37,7 +37,6 @@ ROWS = {
     "chain-z3z1-gas31": lambda: scenarios.SCENARIOS["chain-z3z1-gas31"](),
     "rlhf-4-engines": lambda: scenarios.SCENARIOS["rlhf-4-engines"](),
     "hpz-z3-beside-z2-gas22": _hpz_beside_zero2,
-    "mics-z3-beside-z2-gas22": _mics_beside_zero2,
 }
 
 
@@ -45,9 +44,21 @@ def _took_effect(name, engines):
     b = engines.get("b")
     if name.startswith("hpz"):
         assert b.zero_hpz_partition_size() == local_world(), b.zero_hpz_partition_size()
-    if name.startswith("mics"):
-        from deepspeed.runtime.zero.mics import MiCS_Optimizer
-        assert isinstance(b.optimizer, MiCS_Optimizer), type(b.optimizer)
+
+
+def mics_refused():
+    """MiCS is refused at initialize with a clear error (see _refuse_mics in deepspeed_multi/initialize.py)."""
+    import deepspeed_multi
+    from common import build_engine, expect_error
+    scenario = _mics_beside_zero2()
+    member = scenario.members["b"]
+    return expect_error(NotImplementedError, lambda: build_engine(member, member.build(), deepspeed_multi.initialize),
+                        "does not support MiCS", "mics_shard_size=2", "zero_hpz_partition_size")
+
+
+def two_nodes_shared_disk(names, disk):
+    """One launch: the exact rows, the MiCS refusal, and a set checkpoint on a disk both nodes share."""
+    return {"rows": exact_rows(names), "mics": mics_refused(), "checkpoint": set_checkpoint_on_nodes(False, disk)}
 
 
 def exact_rows(names, disk=None):
@@ -70,3 +81,173 @@ def exact_rows(names, disk=None):
         import gc
         gc.collect()
     return out
+
+
+# ------------------------------------------------------------------ set checkpoints on several nodes
+def _node():
+    return int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]) == 0
+
+
+def _expect_load_fails(root, engines, *texts):
+    """load_checkpoint must fail on every rank, naming ``texts``, and leave every engine as it was."""
+    import deepspeed_multi
+    from checkpoint_checks import _assert_identical, _params
+    before = _params(engines)
+    try:
+        deepspeed_multi.load_checkpoint(root, engines)
+    except FileNotFoundError as e:
+        for text in texts:
+            assert text in str(e), f"{text!r} not in: {e}"
+        message = str(e)
+    else:
+        raise AssertionError(f"load_checkpoint must fail naming {texts}")
+    _assert_identical(_params(engines), before, "after a refused load")
+    return message
+
+
+def set_checkpoint_on_nodes(node_local, disk):
+    """The five-engine set of test_checkpoint.py (ZeRO 0-3, a frozen ZeRO-3, gas 1 and 2, Adam) saved on
+    every node, each node's copy holding what its ranks need; a resume on the same nodes is
+    bit-identical to the uninterrupted run. With ``node_local`` (each node its own disk): a node
+    whose copy holds only an older tag, or nothing, fails load on every rank naming it and the tag,
+    nothing loaded; a save that ended between the disks' renames leaves the previous tag loadable."""
+    import json
+    import shutil
+    import deepspeed_multi
+    from checkpoint_checks import SETS, _assert_identical, _params, _reseed, build, train
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node, first = _node()
+    root = os.path.join(disk, "run")
+    out = {}
+    _reseed(0)
+    engines = build(SETS["mixed"])
+    train(engines, 0, 2)
+    path = deepspeed_multi.save_checkpoint(root, engines, client_state={"step": 2})
+    at_save = _params(engines)
+    train(engines, 2, 4)
+    final = _params(engines)
+
+    # What this node's copy holds: every common file, and the per-rank files of its own ranks only.
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    storage = manifest["storage"]
+    assert storage["node_local"] == node_local, storage
+    from deepspeed_multi.checkpoint import _owner
+    owners = {_owner(f) for f in manifest["files"]} - {None}
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    mine = set(range(node * local, (node + 1) * local)) if node_local else set(range(world))
+    assert owners == mine, (node, sorted(owners), sorted(mine))
+    for must in ("client_state.pt", "zero_to_fp32.py", "head/mp_rank_00_model_states.pt", f"rng/rank{rank}.pt"):
+        assert must in manifest["files"], (must, sorted(manifest["files"]))
+    out["files_on_my_disk"] = len(manifest["files"])
+
+    _reseed(12345)
+    fresh = build(SETS["mixed"], seed_offset=50)
+    state = deepspeed_multi.load_checkpoint(root, fresh)
+    assert state == {"step": 2}, state
+    _assert_identical(_params(fresh), at_save, "just after loading on the same nodes")
+    train(fresh, 2, 4)
+    _assert_identical(_params(fresh), final, "resumed on the same nodes")
+    out["resume"] = "bit-identical"
+    if not node_local:
+        return out
+
+    later = deepspeed_multi.save_checkpoint(root, fresh, client_state={"step": 4}, tag="later")
+    tag1 = os.path.basename(path)
+
+    def on_node(n, fn):
+        dist.barrier()
+        if node == n and first:
+            fn()
+        dist.barrier()
+
+    def point_latest(tag):
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write(tag)
+
+    # A save that ended between the disks' renames: node 0 published "later", node 1 still has it
+    # staged, and no `latest` names it yet: every node loads the previous tag.
+    on_node(1, lambda: os.rename(later, os.path.join(root, ".later.staging")))
+    on_node(1, lambda: point_latest(tag1))
+    on_node(0, lambda: point_latest(tag1))
+    _reseed(12345)
+    again = build(SETS["mixed"], seed_offset=60)
+    assert deepspeed_multi.load_checkpoint(root, again) == {"step": 2}
+    _assert_identical(_params(again), at_save, "the previous tag after a save that ended between the renames")
+    out["interrupted_save"] = f"loaded {tag1} on every node"
+
+    # Node 0's `latest` names "later", which node 1's copy lacks (it holds only the older tag).
+    on_node(0, lambda: point_latest("later"))
+    out["older_tag_error"] = _expect_load_fails(root, again, "node 1 (ranks 2-3) has no complete checkpoint 'later'",
+                                               f"holds ['{tag1}']", f"node 0 (ranks 0-1) holds ['{tag1}', 'later']")
+    # ... and node 1's whole copy is gone.
+    on_node(1, lambda: shutil.rmtree(root))
+    out["lost_copy_error"] = _expect_load_fails(root, again, "node 1 (ranks 2-3) has no complete checkpoint 'later'",
+                                               "holds no complete checkpoint")
+    return out
+
+
+# ------------------------------------------------------------------ a lost node
+LOST_SET = [("enc", 2, 1, True), ("dec", 3, 1, True)]
+LOST_SAVE_AT, LOST_KILL_FROM, LOST_TOTAL = 2, 4, 8  # steps: the last complete save, where the kill may land, the end
+LOST_TIMEOUT_S = 6  # watchdog_timeout_s of the lost-node run
+
+
+def _slow_train(engines, start, stop, logs, attempt):
+    """checkpoint_checks.train, one step at a time, slowed from LOST_KILL_FROM on in the first
+    attempt so that the kill lands inside a step; saves at LOST_SAVE_AT."""
+    import deepspeed_multi
+    from checkpoint_checks import train
+    for step in range(start, stop):
+        if attempt == 0 and step >= LOST_KILL_FROM:
+            if dist.get_rank() == 0 and step == LOST_KILL_FROM:
+                open(os.path.join(logs, "kill_now"), "w").close()
+            for e in engines.values():  # a slow step: the kill lands in its collectives
+                e.module.register_forward_hook(lambda *a: __import__("time").sleep(0.2)) if step == LOST_KILL_FROM else None
+        train(engines, step, step + 1)
+        print(f"STEP {step} done", flush=True)
+        if step + 1 == LOST_SAVE_AT:
+            deepspeed_multi.save_checkpoint(os.path.join(os.environ["DSM_LOST_ROOT"]), engines, client_state={"step": step + 1})
+
+
+def lost_node_run(disk):
+    """One job of the lost-node test: resume from the newest complete checkpoint (if any), train to
+    LOST_TOTAL, and compare with the uninterrupted run (computed here too) bit for bit."""
+    import deepspeed_multi
+    from checkpoint_checks import _assert_identical, _params, _reseed, build
+    from deepspeed_multi import checkpoint
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    logs = os.environ["DSM_NODES_LOG"]
+    root = os.path.join(disk, "lost")
+    os.environ["DSM_LOST_ROOT"] = root
+    config = {"deepspeed_multi": {"watchdog_timeout_s": LOST_TIMEOUT_S}}
+    _reseed(0)
+    engines = build_with(LOST_SET, config)
+    start = 0
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, bool(checkpoint._complete_tags(root)[0]))
+    if all(views):
+        _reseed(999)
+        engines = build_with(LOST_SET, config, seed_offset=50)
+        start = deepspeed_multi.load_checkpoint(root, engines)["step"]
+        print(f"RESUMED at step {start} (attempt {attempt})", flush=True)
+    _slow_train(engines, start, LOST_TOTAL, logs, attempt)
+    got = _params(engines)
+    _reseed(0)
+    ref = build_with(LOST_SET, config)
+    from checkpoint_checks import train
+    train(ref, 0, LOST_TOTAL)
+    _assert_identical(got, _params(ref), f"resumed at step {start} after a lost node")
+    return {"attempt": attempt, "resumed_at": start}
+
+
+def build_with(chain, extra, seed_offset=0):
+    """checkpoint_checks.build with ``extra`` merged into every engine's config."""
+    import deepspeed_multi
+    from common import MLP, ds_config
+    engines = {}
+    for i, (name, stage, gas, trainable) in enumerate(chain):
+        model = MLP(seed=i + 1 + seed_offset)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        engines[name] = deepspeed_multi.initialize(model=model, optimizer=opt, config=ds_config(stage, gas=gas, **extra))[0]
+    return engines
