@@ -194,20 +194,22 @@ LOST_TIMEOUT_S = 6  # watchdog_timeout_s of the lost-node run
 
 
 def _slow_train(engines, start, stop, logs, attempt):
-    """checkpoint_checks.train, one step at a time, slowed from LOST_KILL_FROM on in the first
-    attempt so that the kill lands inside a step; saves at LOST_SAVE_AT."""
+    """checkpoint_checks.train one step at a time, saving at LOST_SAVE_AT; in the first job, from
+    LOST_KILL_FROM on, each forward sleeps a little (so that the kill lands inside a step) and rank 0
+    tells the harness to kill."""
+    import time
     import deepspeed_multi
     from checkpoint_checks import train
     for step in range(start, stop):
-        if attempt == 0 and step >= LOST_KILL_FROM:
-            if dist.get_rank() == 0 and step == LOST_KILL_FROM:
+        if attempt == 0 and step == LOST_KILL_FROM:
+            for e in engines.values():
+                e.module.register_forward_hook(lambda *a: time.sleep(0.2))
+            if dist.get_rank() == 0:
                 open(os.path.join(logs, "kill_now"), "w").close()
-            for e in engines.values():  # a slow step: the kill lands in its collectives
-                e.module.register_forward_hook(lambda *a: __import__("time").sleep(0.2)) if step == LOST_KILL_FROM else None
         train(engines, step, step + 1)
         print(f"STEP {step} done", flush=True)
         if step + 1 == LOST_SAVE_AT:
-            deepspeed_multi.save_checkpoint(os.path.join(os.environ["DSM_LOST_ROOT"]), engines, client_state={"step": step + 1})
+            deepspeed_multi.save_checkpoint(os.environ["DSM_LOST_ROOT"], engines, client_state={"step": step + 1})
 
 
 def lost_node_run(disk):
@@ -216,7 +218,7 @@ def lost_node_run(disk):
     import deepspeed_multi
     from checkpoint_checks import _assert_identical, _params, _reseed, build
     from deepspeed_multi import checkpoint
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get("DSM_JOB_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     logs = os.environ["DSM_NODES_LOG"]
     root = os.path.join(disk, "lost")
     os.environ["DSM_LOST_ROOT"] = root
@@ -251,3 +253,70 @@ def build_with(chain, extra, seed_offset=0):
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         engines[name] = deepspeed_multi.initialize(model=model, optimizer=opt, config=ds_config(stage, gas=gas, **extra))[0]
     return engines
+
+
+# ------------------------------------------------------------------ fewer nodes (resize.py)
+def _copy_missing(src, dst):
+    """Copy the files of ``src`` that ``dst`` lacks (another node's copy of a checkpoint: its own
+    manifest stays, the other node's per-rank files join it)."""
+    import shutil
+    for d, _, fs in os.walk(src):
+        for f in fs:
+            target = os.path.join(dst, os.path.relpath(os.path.join(d, f), src))
+            if not os.path.exists(target):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copy2(os.path.join(d, f), target)
+
+
+def resize_resume(saved_world, copy_from, save_after, disk):
+    """Resume the resize set saved by ``saved_world`` ranks on this job's ranks (checkpoint_checks.
+    resume_resized: bit-identical at the load, 1e-5 of the uninterrupted run after four steps).
+    ``copy_from``: where (a host path this node can read) another node's copy of the save lies; the
+    resume must first fail naming the files this node's copy lacks, then each node's first rank copies
+    them in. ``save_after``: then save the same set on this job's ranks for the reverse direction."""
+    import checkpoint_checks
+    import deepspeed_multi
+    root = os.path.join(disk, "resize")
+    name = f"from{saved_world}"
+    _, first = _node()
+    out = {}
+    if copy_from:
+        have = os.path.isdir(os.path.join(root, name))
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, have)
+        if all(flags):
+            probe = checkpoint_checks._build_resized(seed_offset=50)
+            try:
+                deepspeed_multi.load_checkpoint(os.path.join(root, name), probe)
+            except RuntimeError as e:
+                assert "lacks" in str(e) and "zero_pp_rank_" in str(e) and "Copy the whole" in str(e), str(e)
+                out["missing_error"] = str(e)[:400]
+            else:
+                raise AssertionError("a resize from node-local copies that lack other nodes' slices must fail")
+            del probe
+        if first:
+            _copy_missing(os.path.join(copy_from, name), os.path.join(root, name))
+            ref = os.path.join(root, f"{name}.ref.pt")  # the uninterrupted run's parameters (test data)
+            if not os.path.exists(ref):
+                __import__("shutil").copy2(os.path.join(copy_from, f"{name}.ref.pt"), ref)
+        dist.barrier()
+    checkpoint_checks.resume_resized(root, saved_world)
+    out["resumed"] = f"{saved_world} -> {dist.get_world_size()} ranks"
+    if save_after:
+        checkpoint_checks.save_for_resize(root)
+    return out
+
+
+def node_local_program(disk):
+    """First job on node-local disks: the set checkpoint checks, the save for the resize, then the
+    lost-node run (its node 1 is killed part way; its results are in the log)."""
+    out = {"checkpoint": set_checkpoint_on_nodes(True, disk)}
+    import checkpoint_checks
+    checkpoint_checks.save_for_resize(os.path.join(disk, "resize"))
+    print("CHECKS " + __import__("json").dumps(out), flush=True)
+    return lost_node_run(disk)
+
+
+def after_loss_program(copy_from, disk):
+    """The relaunched job on node-local disks: resume after the lost node, then resume the 1-node save on 2 nodes."""
+    return {"lost": lost_node_run(disk), "resize": resize_resume(2, copy_from, False, disk)}

@@ -173,6 +173,9 @@ class SimulatedNodes:
 
     def start(self):
         self.started_at = time.monotonic()
+        for name in os.listdir(self.logs):  # a job before this one on the same disks
+            if name.startswith(("result.", "pid.", "kill_now")):
+                os.remove(os.path.join(self.logs, name))
         for i in range(self.nnodes):
             self.start_node(i)
             if i == 0:
@@ -274,13 +277,14 @@ class SimulatedNodes:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def run_nodes(program, *args, nnodes=2, nproc_per_node=2, node_disks=False, timeout_s=240, env=None, keep=False):
+def run_nodes(program, *args, nnodes=2, nproc_per_node=2, node_disks=False, timeout_s=240, env=None, keep=False,
+              base=None):
     """Run ``program`` on ``nnodes`` x ``nproc_per_node`` ranks; return {rank: its return value}.
 
     Raises NodesFailed with the failing rank's traceback and every log's tail when a rank raised or
     died, an agent failed, or the run passed ``timeout_s`` (everything is killed then)."""
     nodes = SimulatedNodes(program, *args, nnodes=nnodes, nproc_per_node=nproc_per_node, node_disks=node_disks,
-                           env=env).start()
+                           env=env, base=base).start()
     try:
         codes = nodes.wait(timeout_s)
         results, world = nodes.results(), nnodes * nproc_per_node
