@@ -303,20 +303,28 @@ class _Disks:
 
 
 def _copy_common_files(staging, disks):
-    """Send the files rank 0's disk holds that are no rank's own to every other disk's first rank."""
-    rank = dist.get_rank()
+    """Send the files rank 0's disk holds that are no rank's own to every other disk's first rank that
+    lacks them (an engine with DeepSpeed's ``checkpoint.use_node_local_storage`` already wrote its
+    model states on every node). They travel through the process group, in memory."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing = [None] * world
+    mine = None
+    if disks.leads(rank):
+        mine = {os.path.relpath(os.path.join(d, f), staging) for d, _, fs in os.walk(staging) for f in fs}
+    dist.all_gather_object(listing, mine)
     payload = [None]
     if rank == 0:
+        others = [listing[disks.leader(d)] for d in range(1, len(disks.disks))]
         payload = [{}]
-        for d, _, fs in os.walk(staging):
-            for f in fs:
-                rel = os.path.relpath(os.path.join(d, f), staging)
-                if _owner(rel) is None:
-                    with open(os.path.join(d, f), "rb") as fh:
-                        payload[0][rel] = fh.read()
+        for rel in sorted(listing[0]):
+            if _owner(rel) is None and any(rel not in other for other in others):
+                with open(os.path.join(staging, rel), "rb") as fh:
+                    payload[0][rel] = fh.read()
     dist.broadcast_object_list(payload, src=0)
     if disks.leads(rank) and disks.disk_of(rank) != 0:
         for rel, data in payload[0].items():
+            if rel in mine:
+                continue
             os.makedirs(os.path.dirname(os.path.join(staging, rel)), exist_ok=True)
             with open(os.path.join(staging, rel), "wb") as fh:
                 fh.write(data)

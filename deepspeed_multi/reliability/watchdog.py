@@ -410,11 +410,12 @@ class _Monitor(threading.Thread):
             pass
         message = format_message(failures, reports, self.world, self.rank, members, cause)
         os.write(2, (message + "\n").encode(errors="replace"))
+        answering = max(len(reports), 1)  # lost ranks will neither print nor exit here: not waited for
         try:
             self._store_add("printed", 1)
-            self._wait_count("printed", self.world, _EXIT_GRACE_S)
+            self._wait_count("printed", answering, _EXIT_GRACE_S)
             if self.rank == 0:
-                self._wait_count("exited", self.world - 1, _EXIT_GRACE_S)
+                self._wait_count("exited", answering - 1, _EXIT_GRACE_S)
             else:
                 self._store_add("exited", 1)
         except Exception:  # noqa: BLE001

@@ -191,6 +191,7 @@ def set_checkpoint_on_nodes(node_local, disk):
 LOST_SET = [("enc", 2, 1, True), ("dec", 3, 1, True)]
 LOST_SAVE_AT, LOST_KILL_FROM, LOST_TOTAL = 2, 4, 8  # steps: the last complete save, where the kill may land, the end
 LOST_TIMEOUT_S = 6  # watchdog_timeout_s of the lost-node run
+LOST_KILLED_SAVE_AT = 6  # the first restart saves here, and node 1's ranks die inside that save
 
 
 def _slow_train(engines, start, stop, logs, attempt):
@@ -210,6 +211,24 @@ def _slow_train(engines, start, stop, logs, attempt):
         print(f"STEP {step} done", flush=True)
         if step + 1 == LOST_SAVE_AT:
             deepspeed_multi.save_checkpoint(os.environ["DSM_LOST_ROOT"], engines, client_state={"step": step + 1})
+        if attempt == 1 and step + 1 == LOST_KILLED_SAVE_AT:
+            # Node 1's ranks die inside this save, after node 0's disk published it and before node 1's
+            # did: the restarted job must load the previous tag on every node.
+            from checkpoint_checks import _kill_at_phase
+            if _node()[0] == 1:
+                _kill_at_phase("before_rename")
+            print(f"SAVING killed-save at step {step + 1}", flush=True)
+            deepspeed_multi.save_checkpoint(os.environ["DSM_LOST_ROOT"], engines, client_state={"step": step + 1},
+                                            tag="killed-save")
+            raise AssertionError("node 1 was to die inside the save")
+
+
+def _attempt():
+    """Which start of the job this is: torchrun counts restarts per agent, and a replacement node's
+    agent starts again from 0, so the job's count is the largest of its ranks'."""
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return max(counts)
 
 
 def lost_node_run(disk):
@@ -218,7 +237,7 @@ def lost_node_run(disk):
     import deepspeed_multi
     from checkpoint_checks import _assert_identical, _params, _reseed, build
     from deepspeed_multi import checkpoint
-    attempt = int(os.environ.get("DSM_JOB_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = _attempt()
     logs = os.environ["DSM_NODES_LOG"]
     root = os.path.join(disk, "lost")
     os.environ["DSM_LOST_ROOT"] = root
@@ -308,15 +327,13 @@ def resize_resume(saved_world, copy_from, save_after, disk):
 
 
 def node_local_program(disk):
-    """First job on node-local disks: the set checkpoint checks, the save for the resize, then the
-    lost-node run (its node 1 is killed part way; its results are in the log)."""
-    out = {"checkpoint": set_checkpoint_on_nodes(True, disk)}
+    """The job on node-local disks, under torchrun --max-restarts 1: the set checkpoint checks and the
+    save for the resize, then the lost-node run, whose node 1 is killed part way (the checks' results
+    are in the log); the restarted job resumes the lost-node run."""
+    import json
     import checkpoint_checks
-    checkpoint_checks.save_for_resize(os.path.join(disk, "resize"))
-    print("CHECKS " + __import__("json").dumps(out), flush=True)
+    if _attempt() == 0:
+        out = {"checkpoint": set_checkpoint_on_nodes(True, disk)}
+        checkpoint_checks.save_for_resize(os.path.join(disk, "resize"))
+        print("CHECKS " + json.dumps(out), flush=True)
     return lost_node_run(disk)
-
-
-def after_loss_program(copy_from, disk):
-    """The relaunched job on node-local disks: resume after the lost node, then resume the 1-node save on 2 nodes."""
-    return {"lost": lost_node_run(disk), "resize": resize_resume(2, copy_from, False, disk)}

@@ -163,6 +163,12 @@ class SimulatedNodes:
         if self.node_disks:
             os.makedirs(self.node_dir(i), exist_ok=True)
         env = dict(os.environ, **self.extra_env)
+        # torch 2.13's elastic agent shares its rendezvous TCP store with the ranks; a surviving rank-0
+        # agent then publishes MASTER_ADDR for the first round only, and a replacement node's new agent
+        # waits for it in the next round until the store times out (dynamic_rendezvous.py,
+        # next_rendezvous): a job under --max-restarts never comes back after losing a node. Not sharing
+        # it publishes the address every round.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         env.update(DS_ACCELERATOR="cpu", DSM_SIM_NODE=str(i), DSM_NODES_LOG=self.logs, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([HERE] + [p for p in (env.get("PYTHONPATH") or "").split(os.pathsep)
                                                          if p]))
