@@ -404,7 +404,7 @@ def _choose_on_every_disk(load_dir, tag, views, disks):
     chosen = [v["complete"][tag] for v in views]
     if len({(m["serial"], m.get("save_id")) for m in chosen}) != 1:
         raise ValueError(f"the copies of {tag!r} on the nodes' disks are of different saves: "
-                         f"{[(m['serial'], m['saved_at']) for m in chosen]}")
+                         f"{[(m['serial'], m.get('saved_at')) for m in chosen]}")
     return chosen
 
 
