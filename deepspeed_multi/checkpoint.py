@@ -24,6 +24,24 @@ warning and :func:`remove_incomplete` deletes) or the new, complete tag. Load ta
 complete tag (valid manifest, every checksum right) with the highest save serial, whatever
 ``latest`` says: ``latest`` may lag one rename behind.
 
+[Note: node-local storage]
+On several nodes, ``save_dir`` may be one filesystem every node sees (NFS, Lustre) or each node's
+own disk at the same path (local SSDs). Every save and load first finds out which: the first rank
+of each node writes a probe file named by a token rank 0 drew, and each reports which nodes'
+probes it sees; nodes that see each other's probes share a disk (one node alone: no probe).
+Each disk then gets its own complete copy of what its ranks need, committed as on one disk: its
+first rank creates the staging directory, writes the manifest and renames it. The files DeepSpeed
+writes on global rank 0 only (the model states below ZeRO-3, zero_to_fp32.py) and the client
+state are sent to every other disk; the per-rank files (optimizer slices, ZeRO-3 parameter
+partitions, RNG states) stay on the disk of the node whose rank wrote them. Each disk's manifest
+lists its own files and, under "storage", which nodes and ranks hold which disk.
+A save ends in two steps: every disk renames its staging directory, all ranks meet, then every
+disk's ``latest`` names the tag. So a tag that any ``latest`` names is complete on every disk. At
+load, every rank learns what every disk holds before anything is loaded: a disk that lacks a tag
+another disk's ``latest`` names (its copy was lost, or it holds only an older tag) fails every
+rank with the node and the tag; a tag complete on some disks and named by no ``latest`` is a save
+killed between the renames, and the newest tag complete on every disk is loaded instead.
+
 [Note: saving inside an accumulation window]
 A save is refused while a trainable engine holds gradients (after a backward, before the
 step() that ends its window, or inside a backward): DeepSpeed's checkpoint has no place for
@@ -36,7 +54,10 @@ import json
 import logging
 import os
 import random
+import re
+import secrets
 import shutil
+import socket
 
 import deepspeed.comm as dist
 import torch
@@ -78,12 +99,13 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
     tag = _same_on_every_rank(str(tag), "tag")
     _check_name(tag, "tag")
     final, staging = os.path.join(save_dir, tag), os.path.join(save_dir, _STAGING.format(tag=tag))
+    disks = _Disks.probe(save_dir, create=True)  # see [Note: node-local storage]
     _phase("before")
     error = None
-    if rank == 0:
+    if disks.leads(rank):
         if os.path.exists(final):
-            error = (f"deepspeed_multi.save_checkpoint: {final} already exists; pass another tag= (or delete it). "
-                     "A tag is never overwritten, so a crash during a save cannot damage it.")
+            error = (f"deepspeed_multi.save_checkpoint: {final} already exists{disks.on_disk_of(rank)}; pass another "
+                     "tag= (or delete it). A tag is never overwritten, so a crash during a save cannot damage it.")
         else:
             os.makedirs(save_dir, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
@@ -100,18 +122,28 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
         torch.save(client_state, os.path.join(staging, "client_state.pt"))
     _phase("after_engines")
     dist.barrier()
+    if not disks.shared:
+        _copy_common_files(staging, disks)
 
-    sums = _checksums(staging)
+    sums = _checksums(staging, disks=disks)
     records = {name: _engine_record(e) for name, e in engines.items()}  # collective for inference-only engines
-    if rank == 0:
-        manifest = {"format": FORMAT, "tag": tag, "serial": 1 + max((s for s, _ in _complete_tags(save_dir)[0]),
-                                                                   default=0),
-                    "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(), "world_size": world,
-                    "engines": records, "files": sums}
+    # One serial, time and id for the copies on every disk (load checks that they match).
+    serials = [None] * world
+    dist.all_gather_object(serials, (max((s for s, _ in _complete_tags(save_dir)[0]), default=0)
+                                     if disks.leads(rank) else 0,
+                                     datetime.datetime.now(datetime.timezone.utc).isoformat(), secrets.token_hex(8)))
+    if disks.leads(rank):
+        manifest = {"format": FORMAT, "tag": tag, "serial": 1 + max(s for s, _, _ in serials),
+                    "saved_at": serials[0][1], "save_id": serials[0][2], "world_size": world,
+                    "engines": records, "files": sums[disks.disk_of(rank)], "storage": disks.describe(sums)}
         _write_atomically(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1))
         _phase("before_rename")
         os.rename(staging, final)
         _fsync_dir(save_dir)
+    # Every disk has published the tag before any `latest` names it: a tag some disk's `latest`
+    # names is complete on every disk, which is how load tells a lost copy from an interrupted save.
+    dist.barrier()
+    if disks.leads(rank):
         _phase("before_latest")
         _write_atomically(os.path.join(save_dir, LATEST), tag)
     _phase("after")
@@ -175,6 +207,207 @@ def _set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---------------------------------------------------------------------------------- disks
+# Files written by one rank for itself (see [Note: node-local storage]); everything else is common.
+_PER_RANK = re.compile(r"(^|/)(rng/rank(?P<a>\d+)\.pt|(bf16_)?zero_pp_rank_(?P<b>\d+)_mp_rank_\d+_(optim|model)_states\.pt)$")
+
+
+def _owner(relpath):
+    """The rank a per-rank file belongs to, or None for a file every rank reads."""
+    m = _PER_RANK.search(relpath)
+    return None if m is None else int(m.group("a") or m.group("b"))
+
+
+def _node_key():
+    """What tells this rank's node from the others: the host name and, where the launcher sets one,
+    its node index (torchrun's GROUP_RANK, the DeepSpeed launcher's CROSS_RANK, SLURM_NODEID)."""
+    index = next((os.environ[k] for k in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if k in os.environ), "")
+    return f"{socket.gethostname()}/{index}"
+
+
+class _Disks:
+    """Which ranks see which copy of a directory: ``nodes`` (lists of ranks, by first rank) and
+    ``disks`` (lists of node indexes; disk 0 is rank 0's)."""
+
+    def __init__(self, nodes, disks, world):
+        self.nodes, self.disks = nodes, disks
+        self._node = {r: n for n, ranks in enumerate(nodes) for r in ranks}
+        self._disk = {r: d for d, ns in enumerate(disks) for n in ns for r in nodes[n]}
+        self.shared = len(disks) == 1
+
+    @classmethod
+    def single(cls, world):
+        return cls([list(range(world))], [[0]], world)
+
+    @classmethod
+    def probe(cls, directory, create):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        infos = [None] * world
+        dist.all_gather_object(infos, (_node_key(), secrets.token_hex(8) if rank == 0 else None))
+        keys, token = [k for k, _ in infos], infos[0][1]
+        order = list(dict.fromkeys(keys))
+        nodes = [[r for r in range(world) if keys[r] == k] for k in order]
+        if len(nodes) == 1:
+            return cls(nodes, [[0]], world)
+        node = order.index(keys[rank])
+        first = nodes[node][0] == rank
+        probe = os.path.join(directory, f".dsm_probe.{token}.{node}")
+        if first and (create or os.path.isdir(directory)):
+            os.makedirs(directory, exist_ok=True)
+            with open(probe, "w"):
+                pass
+        dist.barrier()
+        seen = None
+        if first:
+            prefix = f".dsm_probe.{token}."
+            seen = sorted(int(f[len(prefix):]) for f in os.listdir(directory)
+                          if f.startswith(prefix)) if os.path.isdir(directory) else [node]
+        seens = [None] * world
+        dist.all_gather_object(seens, seen)
+        if first and os.path.exists(probe):
+            os.remove(probe)
+        groups = {}
+        for n, ranks in enumerate(nodes):
+            groups.setdefault(tuple(seens[ranks[0]]), []).append(n)
+        return cls(nodes, sorted(groups.values()), world)
+
+    def disk_of(self, rank):
+        return self._disk[rank]
+
+    def ranks_of(self, disk):
+        return sorted(r for n in self.disks[disk] for r in self.nodes[n])
+
+    def leader(self, disk):
+        return self.ranks_of(disk)[0]
+
+    def leads(self, rank):
+        return self.leader(self.disk_of(rank)) == rank
+
+    def name_disk(self, disk):
+        return " and ".join(self.name_node(n) for n in self.disks[disk])
+
+    def name_node(self, n):
+        ranks = self.nodes[n]
+        span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(
+            range(ranks[0], ranks[-1] + 1)) else f"ranks {ranks}"
+        return f"node {n} ({span})"
+
+    def on_disk_of(self, rank):
+        return "" if self.shared else f" on the disk of {self.name_disk(self.disk_of(rank))}"
+
+    def describe(self, sums):
+        """The manifest's "storage" entry: which nodes and ranks hold which disk, and its files."""
+        return {"node_local": not self.shared, "nodes": [{"node": n, "ranks": r} for n, r in enumerate(self.nodes)],
+                "disks": [{"nodes": ns, "ranks": self.ranks_of(d), "files": sorted(sums[d])}
+                          for d, ns in enumerate(self.disks)]}
+
+
+def _copy_common_files(staging, disks):
+    """Send the files rank 0's disk holds that are no rank's own to every other disk's first rank that
+    lacks them (an engine with DeepSpeed's ``checkpoint.use_node_local_storage`` already wrote its
+    model states on every node). They travel through the process group, in memory."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing = [None] * world
+    mine = None
+    if disks.leads(rank):
+        mine = {os.path.relpath(os.path.join(d, f), staging) for d, _, fs in os.walk(staging) for f in fs}
+    dist.all_gather_object(listing, mine)
+    payload = [None]
+    if rank == 0:
+        others = [listing[disks.leader(d)] for d in range(1, len(disks.disks))]
+        payload = [{}]
+        for rel in sorted(listing[0]):
+            if _owner(rel) is None and any(rel not in other for other in others):
+                with open(os.path.join(staging, rel), "rb") as fh:
+                    payload[0][rel] = fh.read()
+    dist.broadcast_object_list(payload, src=0)
+    if disks.leads(rank) and disks.disk_of(rank) != 0:
+        for rel, data in payload[0].items():
+            if rel in mine:
+                continue
+            os.makedirs(os.path.dirname(os.path.join(staging, rel)), exist_ok=True)
+            with open(os.path.join(staging, rel), "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+    dist.barrier()
+
+
+def _needed_by(rank, world):
+    """The per-rank files ``rank`` reads at a same-size resume (besides the common ones)."""
+    return [f"rng/rank{rank}.pt"]
+
+
+def _holders_text(manifest):
+    storage = manifest.get("storage")
+    if not storage or not storage.get("node_local"):
+        return "one disk"
+    return "; ".join(f"nodes {d['nodes']} (ranks {d['ranks']}) hold one copy" for d in storage["disks"])
+
+
+def _disk_view(load_dir):
+    """What one disk holds: its complete tags' manifests, what its `latest` names, its incomplete tags."""
+    complete, incomplete = _complete_tags(load_dir)
+    latest = os.path.join(load_dir, LATEST)
+    try:
+        pointed = open(latest).read().strip() if os.path.isfile(latest) else None
+    except OSError:
+        pointed = None
+    return {"complete": {m["tag"]: m for _, m in complete}, "latest": pointed, "incomplete": incomplete}
+
+
+def _choose_on_every_disk(load_dir, tag, views, disks):
+    """The manifest to load on each disk (a list by disk), or FileNotFoundError naming the node and tag."""
+    for view in views:
+        for path, why in view["incomplete"]:
+            logger.warning("deepspeed_multi.load_checkpoint: ignoring incomplete checkpoint %s (%s); "
+                           "deepspeed_multi.checkpoint.remove_incomplete(%r) deletes it.", path, why, load_dir)
+
+    def holds(d):
+        tags = sorted(views[d]["complete"], key=lambda t: views[d]["complete"][t]["serial"])
+        return f"holds {tags}" if tags else "holds no complete checkpoint"
+
+    def lacking(wanted, why):
+        lines = [f"{disks.name_disk(d)} has no complete checkpoint {wanted!r} in {load_dir} (it {holds(d)})"
+                 for d, v in enumerate(views) if wanted not in v["complete"]]
+        others = [f"{disks.name_disk(d)} {holds(d)}" for d, v in enumerate(views) if wanted in v["complete"]]
+        return FileNotFoundError(
+            "; ".join(lines) + (f", while {'; '.join(others)}" if others else "") + f" ({why}). Nothing was loaded. "
+            "On node-local storage every node needs its own copy: restore that node's copy of the tag, or pass an "
+            "older tag= that every node holds.")
+
+    if tag is not None:
+        tag = str(tag)
+        if any(tag not in v["complete"] for v in views):
+            if len(views) == 1:
+                raise FileNotFoundError(f"no complete checkpoint with tag {tag!r} in {load_dir} (complete tags: "
+                                        f"{sorted(views[0]['complete'])})")
+            raise lacking(tag, "asked for by tag=")
+    else:
+        if not any(v["complete"] for v in views):
+            raise FileNotFoundError(f"no complete deepspeed_multi checkpoint in {load_dir}")
+        # A tag any disk's `latest` names was published on every disk (the save's second step).
+        for v in views:
+            named = v["latest"]
+            if named in v["complete"] and any(named not in w["complete"] for w in views):
+                raise lacking(named, f"{LATEST} on another node names it, so it was saved on every node")
+        common = set.intersection(*(set(v["complete"]) for v in views))
+        if not common:
+            raise lacking(max(views[0]["complete"], key=lambda t: views[0]["complete"][t]["serial"]),
+                          "no tag is complete on every node")
+        tag = max(common, key=lambda t: views[0]["complete"][t]["serial"])
+        newest = max((m["serial"], t) for v in views for t, m in v["complete"].items())
+        if newest[1] != tag:
+            logger.warning("deepspeed_multi.load_checkpoint: %r is complete on some nodes' disks only (a save that "
+                           "ended between the disks' renames) or newer than %s names; loading %r, the newest tag "
+                           "complete on every disk.", newest[1], LATEST, tag)
+    chosen = [v["complete"][tag] for v in views]
+    if len({(m["serial"], m.get("save_id")) for m in chosen}) != 1:
+        raise ValueError(f"the copies of {tag!r} on the nodes' disks are of different saves: "
+                         f"{[(m['serial'], m.get('saved_at')) for m in chosen]}")
+    return chosen
+
+
 # ---------------------------------------------------------------------------------- load
 def load_checkpoint(load_dir, engines, tag=None):
     """Load a set checkpoint into ``engines`` (the same names as when saved); return its ``client_state``.
@@ -187,25 +420,32 @@ def load_checkpoint(load_dir, engines, tag=None):
     engines, parted = _expand_parted(engines, "load_checkpoint")
     _check_engine_set(engines, "load_checkpoint")
     rank, world = dist.get_rank(), dist.get_world_size()
-    chosen = [None, None]
-    if rank == 0:
-        try:
-            chosen = [None, _choose(load_dir, tag)]
-        except (FileNotFoundError, ValueError) as e:
-            chosen = [f"{type(e).__name__}: {e}", None]
-    dist.broadcast_object_list(chosen, src=0)
-    _raise_if_any(chosen[0])
-    manifest = chosen[1]
+    disks = _Disks.probe(load_dir, create=False)
+    # Every rank decides from what every disk holds, before anything is loaded: a disk without the
+    # chosen tag fails every rank, and no engine is half-loaded.
+    views = [None] * world
+    dist.all_gather_object(views, _disk_view(load_dir) if disks.leads(rank) else None)
+    views = [views[disks.leader(d)] for d in range(len(disks.disks))]
+    try:
+        manifest = _choose_on_every_disk(load_dir, tag, views, disks)[disks.disk_of(rank)]
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"deepspeed_multi.load_checkpoint: {e}") from None
     path = os.path.join(load_dir, manifest["tag"])
     if sorted(manifest["engines"]) != sorted(engines):
         raise ValueError(f"deepspeed_multi.load_checkpoint: {path} holds engines {sorted(manifest['engines'])}, "
                          f"given {sorted(engines)}; pass the same names as to save_checkpoint.")
-    bad = _checksums(path, expected=manifest["files"])
-    _raise_if_any(f"deepspeed_multi.load_checkpoint: {path} is damaged: {bad}" if bad else None)
-    resized = manifest["world_size"] != world  # see [Note: resuming at another world size]
-    if resized:
+    bad = _checksums(path, expected=manifest["files"], disks=disks)
+    _raise_if_any(f"deepspeed_multi.load_checkpoint: {path} is damaged{disks.on_disk_of(rank)}: {bad}" if bad else None)
+    resized = manifest["world_size"] != world
+    if not resized:
+        missing = [f for f in _needed_by(rank, world) if f not in manifest["files"]]
+        _raise_if_any(f"deepspeed_multi.load_checkpoint: rank {rank} needs {missing} of {path}, which the copy"
+                      f"{disks.on_disk_of(rank)} does not hold (ranks saved their files on their own node's disk: "
+                      f"{_holders_text(manifest)}); start every rank on the node that saved its files, or copy "
+                      "them there." if missing else None)
+    if resized:  # see [Note: resuming at another world size]
         _warn_resized(path, manifest, engines, world)
-    converted = _convert_for(load_dir, path, manifest, engines) if resized else {}
+    converted = _convert_for(load_dir, path, manifest, engines, disks) if resized else {}
     for name, engine in engines.items():
         record = manifest["engines"][name]
         if record["zero_stage"] != engine.zero_optimization_stage() or record["class"] != engine._engine_name():
@@ -257,14 +497,25 @@ def _warn_resized(path, manifest, engines, world):
                            "%d: the resumed run is not the uninterrupted one.", name, saved, e.train_batch_size())
 
 
-def _convert_for(load_dir, path, manifest, engines):
+def _convert_for(load_dir, path, manifest, engines, disks):
     """{engine name: root of its universal form} for the trained engines whose optimizer state was
-    saved in slices for the saved world size; rank 0 converts, every rank waits for it."""
+    saved in slices for the saved world size; the first rank of each disk converts on that disk,
+    every rank waits for it."""
     names = [n for n, e in engines.items() if e.has_optimizer and resize.partitioned(os.path.join(path, n))]
     if not names:
         return {}
     target = resize.universal_dir(load_dir, manifest)
-    error = resize.convert(path, names, target) if dist.get_rank() == 0 else None
+    error = None
+    if disks.leads(dist.get_rank()):
+        missing = resize.missing_slices(path, names, manifest["world_size"])
+        if missing:
+            error = (f"resuming {path} (saved by {manifest['world_size']} ranks) on {dist.get_world_size()} converts "
+                     f"every engine's optimizer slices of every saved rank, and the copy{disks.on_disk_of(dist.get_rank())} "
+                     f"lacks {missing[:6]}{' ...' if len(missing) > 6 else ''} ({len(missing)} files): they were saved on "
+                     f"other nodes' disks ({_holders_text(manifest)}). Copy the whole {path} of every node that saved "
+                     "it into this node's copy (the files do not overlap), then resume.")
+        else:
+            error = resize.convert(path, names, target)
     _raise_if_any(f"deepspeed_multi.load_checkpoint: {error}" if error else None)
     return {name: target for name in names}
 
@@ -410,28 +661,36 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _checksums(root, expected=None):
-    """sha256 of every file under ``root``, each rank hashing its share.
+def _checksums(root, expected=None, disks=None):
+    """sha256 of every file under ``root``, the ranks of each disk hashing their share of it.
 
-    Without ``expected``: returns ``{relative path: {"sha256", "bytes"}}`` on every rank. With it:
-    returns the list of files (of ``expected``) that are missing or differ, on every rank.
+    Without ``expected``: returns ``{disk: {relative path: {"sha256", "bytes"}}}`` on every rank
+    (one disk, 0, unless the ranks' storage is node-local). With it (this rank's disk's manifest
+    files): returns the list of those files that are missing or differ on this rank's disk.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    disks = disks or _Disks.single(world)
+    disk = disks.disk_of(rank)
+    peers = disks.ranks_of(disk)
     if expected is None:
         files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
     else:
         files = sorted(expected)
     mine = {}
-    for f in files[rank::world]:
+    for f in files[peers.index(rank)::len(peers)]:
         full = os.path.join(root, f)
         if expected is None:
             mine[f] = {"sha256": _sha256(full), "bytes": os.path.getsize(full)}
         elif not os.path.isfile(full) or _sha256(full) != expected[f]["sha256"]:
             mine[f] = "missing" if not os.path.isfile(full) else "checksum differs"
     gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    merged = {k: v for part in gathered for k, v in part.items()}
-    return merged if expected is None else sorted(f"{k} ({v})" for k, v in merged.items())
+    dist.all_gather_object(gathered, (disk, mine))
+    merged = {}
+    for d, part in gathered:
+        merged.setdefault(d, {}).update(part)
+    if expected is None:
+        return {d: dict(sorted(merged.get(d, {}).items())) for d in range(len(disks.disks))}
+    return sorted(f"{k} ({v})" for k, v in merged.get(disk, {}).items())
 
 
 def _write_atomically(path, text):

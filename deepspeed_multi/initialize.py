@@ -19,6 +19,20 @@ _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
 
 
+def _refuse_mics(config):
+    """MiCS cannot be checked here, so it is refused rather than trusted: DeepSpeed 0.19.8 removed
+    it (its config refuses ``mics_shard_size``), and on 0.19.4-0.19.7 its parameter gather
+    (``all_gather_coalesced`` under a coalescing manager) needs NCCL: gloo has no
+    ``startCoalescing``, so no CPU run of a MiCS engine exists to compare with plain PyTorch."""
+    shard = (config.get("zero_optimization") or {}).get("mics_shard_size", -1)
+    if isinstance(shard, int) and shard > 0:
+        raise NotImplementedError(
+            f"deepspeed_multi does not support MiCS (zero_optimization.mics_shard_size={shard}): DeepSpeed 0.19.8 "
+            "removed it, and on earlier releases its gradients under deepspeed_multi are untested (its parameter "
+            "gather needs NCCL coalescing, which gloo lacks). For ZeRO-3 partitions kept within a node use hpZ "
+            "(zero_optimization.zero_hpz_partition_size = ranks per node), tested exact on 2 nodes.")
+
+
 @functools.wraps(deepspeed.initialize, assigned=("__doc__", ))
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
@@ -59,6 +73,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")
+    _refuse_mics(config)
     trains = optimizer is not None or "optimizer" in config
     refuse_parameters_of_live_engine(model, trains, "deepspeed_multi.initialize")
     if zero_stage(config) == 3 and isinstance(model, torch.nn.Module):

@@ -6,7 +6,8 @@ of ranks decides what a resume on M ranks of a save on N does:
 
 - An engine whose optimizer state is partitioned (ZeRO-1/2/3, and bf16 at ZeRO-0, whose optimizer
   partitions its fp32 master copy as ZeRO-1 does) saved one ``*_optim_states.pt`` per rank: flat
-  slices of fp32 master weights and optimizer states cut for N ranks. Rank 0 converts it with
+  slices of fp32 master weights and optimizer states cut for N ranks. Rank 0 (on node-local disks,
+  the first rank of each node) converts it with
   DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``: one file per parameter and
   state) into ``<load_dir>/.<tag>.universal.<digest>/<engine>``, once per checkpoint (the digest is
   the manifest's file sums, so a later tag of the same name is converted afresh), and every rank
@@ -25,8 +26,11 @@ of ranks decides what a resume on M ranks of a save on N does:
 
 The converted directory starts with '.', holds no manifest, and is never taken for a checkpoint;
 a conversion killed half-way leaves ``.<tag>.universal.<digest>.converting``, redone next time.
-Every rank reads the converted files rank 0 wrote, so ``load_dir`` must be on a filesystem all
-ranks share (as a multi-node DeepSpeed checkpoint already is in practice).
+The first rank of each disk that holds ``load_dir`` converts that disk's copy and the ranks of that
+disk read it (one filesystem for all ranks: rank 0 alone; node-local disks: one conversion per
+node, see [Note: node-local storage] in checkpoint.py). A node-local copy holds only its own ranks'
+optimizer slices, so before a resume at another world size every copy needs the other nodes' slices
+copied in: :func:`missing_slices` names them, and load fails on every rank until they are there.
 """
 import argparse
 import contextlib
@@ -52,6 +56,18 @@ def universal_dir(load_dir, manifest):
 def partitioned(engine_dir):
     """Whether an engine's DeepSpeed checkpoint holds optimizer slices cut for its world size."""
     return bool(glob.glob(os.path.join(engine_dir, _OPTIM_FILES)))
+
+
+def missing_slices(path, names, world):
+    """The optimizer-slice files of ``world`` saved ranks that the engines ``names`` lack under ``path``
+    (on node-local storage each node's copy holds its own ranks' slices only)."""
+    missing = []
+    for name in names:
+        have = {os.path.basename(f) for f in glob.glob(os.path.join(path, name, _OPTIM_FILES))}
+        for r in range(world):
+            if not any(f"zero_pp_rank_{r}_" in f for f in have):
+                missing.append(os.path.join(name, f"*zero_pp_rank_{r}_*{_OPTIM_FILES[1:]}"))
+    return missing
 
 
 def convert(path, names, target):

@@ -1,5 +1,16 @@
 """The watchdog: a rank stuck in an engine's collective fails every rank, naming the engine.
 
+[Note: a lost node]
+A node that dies (its torchrun agent and ranks gone at once) leaves the other ranks either waiting
+(at the store meeting before an engine's collectives, or in a collective that waits) or, where
+gloo/NCCL notices the closed connections, with an exception from the collective. Either way the
+watchdog ends the rank: a wait past ``watchdog_timeout_s`` as below, an uncaught collective
+exception through ``sys.excepthook``. Every rank registers its host, node index and pid at the
+store when its watchdog starts; the ranks that send no report within the grace time are named as
+lost, with their node, before the usual report. (The store is the rendezvous store, hosted by
+the node of ``--rdzv_endpoint``: when that node is the lost one, the ranks can only report what
+they know themselves.)
+
 [Note: why collectives hang and how the watchdog sees it]
 A backward that reaches an engine on some ranks only (a branch taken on one rank, an engine
 skipped on one batch), or a step() reached on some ranks only, leaves the engine's collectives
@@ -259,6 +270,7 @@ class _Monitor(threading.Thread):
                 cls._instance = cls()
                 cls._instance.start()
                 atexit.register(cls._instance.stop)
+                _install_excepthook()
             return cls._instance
 
     def __init__(self):
@@ -271,6 +283,8 @@ class _Monitor(threading.Thread):
         self.store = None
         self.store_ok = True
         self._stopping = threading.Event()
+        self._failing = False
+        self._fail_lock = threading.Lock()
 
     def add(self, engine, timeout_s, agree=False):
         watch = EngineWatch(engine, timeout_s, self.added, self, agree)
@@ -284,6 +298,10 @@ class _Monitor(threading.Thread):
 
     # ------------------------------------------------------------ the loop
     def run(self):
+        try:  # who this rank is, for naming it if it is lost (one store write per process)
+            self._store_set(f"member/{self.rank}", _whoami())
+        except Exception:  # noqa: BLE001
+            pass
         while not self._stopping.wait(self.poll_s):
             try:
                 self._check()
@@ -358,12 +376,19 @@ class _Monitor(threading.Thread):
             time.sleep(0.02)
 
     # ------------------------------------------------------------ failing every rank
-    def _fail(self, failure):
-        """Publish, collect every rank's report, print, exit. Never returns."""
+    def _fail(self, failure, cause=None):
+        """Publish, collect every rank's report, print, exit. Never returns. ``cause``: the
+        exception a collective raised in this rank (see [Note: a lost node])."""
+        with self._fail_lock:
+            if self._failing:  # the other thread is already on it, and will end the process
+                while True:
+                    time.sleep(60)
+            self._failing = True
         reports = {}
         try:
             if failure is not None:
                 self._store_set(f"failure/{self.rank}", failure)
+            if failure is not None or cause is not None:
                 self._store_set("failed", 1)
             self._store_set(f"report/{self.rank}", self._report())
             deadline = time.monotonic() + _REPORT_GRACE_S
@@ -376,13 +401,21 @@ class _Monitor(threading.Thread):
         except Exception:  # noqa: BLE001 - the store is gone: report what this rank knows
             failures = [failure] if failure is not None else []
             reports.setdefault(self.rank, self._report())
-        message = format_message(failures, reports, self.world, self.rank)
+        members = {}
+        try:
+            for r in range(self.world):
+                if r not in reports and self._store_check(f"member/{r}"):
+                    members[r] = self._store_get(f"member/{r}")
+        except Exception:  # noqa: BLE001
+            pass
+        message = format_message(failures, reports, self.world, self.rank, members, cause)
         os.write(2, (message + "\n").encode(errors="replace"))
+        answering = max(len(reports), 1)  # lost ranks will neither print nor exit here: not waited for
         try:
             self._store_add("printed", 1)
-            self._wait_count("printed", self.world, _EXIT_GRACE_S)
+            self._wait_count("printed", answering, _EXIT_GRACE_S)
             if self.rank == 0:
-                self._wait_count("exited", self.world - 1, _EXIT_GRACE_S)
+                self._wait_count("exited", answering - 1, _EXIT_GRACE_S)
             else:
                 self._store_add("exited", 1)
         except Exception:  # noqa: BLE001
@@ -394,10 +427,64 @@ class _Monitor(threading.Thread):
                 "engines": [w.report() for w in self._live()], "at": _main_thread_location()}
 
 
-def format_message(failures, reports, world, rank):
-    """The error every rank prints: which engine, where each rank is, what to do."""
+def _is_collective_error(exc):
+    """An exception from a collective whose peer went away (gloo/NCCL/c10d), as opposed to a bug."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    text = str(exc)
+    return isinstance(exc, dist_error) or (isinstance(exc, RuntimeError) and any(
+        t in text for t in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "c10d")))
+
+
+def _install_excepthook():
+    """An uncaught exception from a collective (the peer's node is gone, see [Note: a lost node]) ends
+    this rank through the watchdog's report, which names the ranks that no longer answer."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        monitor = _Monitor._instance
+        if monitor is not None and monitor.is_alive() and _is_collective_error(exc):
+            traceback.print_exception(exc_type, exc, tb)
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            monitor._fail(None, cause=f"{exc_type.__name__}: {first}")
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _whoami():
+    node = next((os.environ[k] for k in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if k in os.environ), None)
+    return {"host": socket.gethostname(), "pid": os.getpid(), "node": node}
+
+
+def _span(ranks):
+    return ", ".join(str(r) for r in ranks)
+
+
+def format_message(failures, reports, world, rank, members=None, cause=None):
+    """The error every rank prints: which ranks are lost, which engine, where each rank is, what to do."""
     lines = []
-    if failures:
+    lost = [r for r in range(world) if r not in reports]
+    if lost and len(lost) < world:
+        members = members or {}
+        by_node = {}
+        for r in lost:
+            m = members.get(r, {})
+            by_node.setdefault((m.get("node"), m.get("host")), []).append(r)
+        where = "; ".join(f"ranks {_span(rs)}" + (f" (node {n}, host {h})" if n is not None else
+                                                  f" (host {h})" if h else "") for (n, h), rs in by_node.items())
+        lines.append(
+            f"deepspeed_multi watchdog (rank {rank}): lost ranks {_span(lost)} of {world}: {where}. They did not "
+            f"answer within {_REPORT_GRACE_S:g} s while the other ranks waited in a collective with them: their "
+            "processes or their node are gone (a lost node is a lost torchrun agent). Stopping every rank. Under "
+            "torchrun --max-restarts, the restarted job resumes from the last complete set checkpoint with "
+            "deepspeed_multi.load_checkpoint.")
+        if cause:
+            lines.append(f"  the collective failed on rank {rank} with: {cause}")
+    if failures and lost and len(lost) < world:
+        f = failures[0]
+        lines.append(f"  rank {f['rank']} waited {f['waited_s']} s in MultiEngine ({f['name']}, ZeRO stage "
+                     f"{f['stage']})'s {_REGIONS.get(f['what'], f['what'])}")
+    elif failures:
         f = failures[0]
         lines.append(
             f"deepspeed_multi watchdog (rank {rank}): MultiEngine ({f['name']}, ZeRO stage {f['stage']}) spent "
@@ -406,11 +493,10 @@ def format_message(failures, reports, world, rank):
         for other in failures[1:]:
             lines.append(f"  also rank {other['rank']}: {other['name']} in its {other['what']} for "
                          f"{other['waited_s']} s")
-        suspects = [f["index"]]
-    else:
+    elif not lines:
         lines.append(f"deepspeed_multi watchdog (rank {rank}): another rank reported a stuck collective but its "
                      "report could not be read.")
-        suspects = []
+    suspects = [failures[0]["index"]] if failures else []
     for index in suspects:
         counts = []
         for r in range(world):
@@ -434,6 +520,8 @@ def format_message(failures, reports, world, rank):
         lines.append(f"  rank {r} ({rep['host']} pid {rep['pid']}): "
                      + ("in " + "; ".join(inside) if inside else "in no engine's collective region")
                      + f"; main thread at {rep['at']}")
+    if lost and len(lost) < world:
+        return "\n".join(lines)
     lines.append(
         "  Fix: a forward, backward or step() that reaches an engine on some ranks only leaves its collectives "
         "unmatched. Every rank must call the engine and use its outputs in the loss it backpropagates (multiply "
