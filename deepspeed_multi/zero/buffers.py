@@ -6,6 +6,8 @@ DeepSpeed reduces gradients during or right after each backward and accumulates 
 result in optimizer-owned buffers; ``param.grad`` alone does not hold them. MultiEngine needs
 PyTorch's meaning: every backward accumulates, ``zero_grad()`` discards, ``step()`` consumes.
 """
+import inspect
+
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -46,25 +48,23 @@ def discard(optimizer) -> None:
         optimizer.all_grad_tensors = {}
         optimizer._epilogue_ran_this_backward = False
     elif optimizer is not None and hasattr(optimizer, "zero_grad"):
-        optimizer.zero_grad(set_to_none=True)
+        grads_to_none(optimizer)
 
 
-def abort_backward(engine) -> None:
-    """Undo what a backward that raised part way left in ZeRO's reduction state, then discard.
+def grads_to_none(optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, for optimizers whose zero_grad() lacks the argument.
 
-    Its epilogue never ran, so buckets hold gradients that were never reduced, parameters are
-    marked as already reduced and, at stage 3, gathered parameters were never released.
+    DeepSpeed's FusedAdam (and other older optimizers) define ``zero_grad(self)``; those are
+    cleared through their param_groups. DeepSpeed's wrappers (BF16_Optimizer, FP16_Optimizer)
+    take the argument and also clear the 16-bit model gradients their param_groups do not hold.
     """
-    optimizer = engine.optimizer
-    if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
-        optimizer._backward_active_depth = 0
-        stage12_bucket_pack.drop_pending(optimizer)
-        for bucket in optimizer.ipg_buckets.values():
-            # ZeRO-3 buckets keep their buffer (clear() would drop it for good); ZeRO-1/2 reallocate.
-            bucket.clear_params() if hasattr(bucket, "clear_params") else bucket.clear()
-        reduced = optimizer.params_already_reduced
-        for key in (reduced.keys() if isinstance(reduced, dict) else range(len(reduced))):
-            reduced[key] = False
-    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-        engine.empty_partition_cache()
-    discard(optimizer)
+    try:
+        accepted = inspect.signature(optimizer.zero_grad).parameters.values()
+    except (TypeError, ValueError):
+        accepted = ()
+    if any(p.name == "set_to_none" or p.kind is p.VAR_KEYWORD for p in accepted):
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            p.grad = None
