@@ -68,3 +68,24 @@ def grads_to_none(optimizer) -> None:
     for group in getattr(optimizer, "param_groups", ()):
         for p in group["params"]:
             p.grad = None
+
+
+def abort_backward(engine) -> None:
+    """Undo what a backward that raised part way left in ZeRO's reduction state, then discard.
+
+    Its epilogue never ran, so buckets hold gradients that were never reduced, parameters are
+    marked as already reduced and, at stage 3, gathered parameters were never released.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        optimizer._backward_active_depth = 0
+        stage12_bucket_pack.drop_pending(optimizer)
+        for bucket in optimizer.ipg_buckets.values():
+            # ZeRO-3 buckets keep their buffer (clear() would drop it for good); ZeRO-1/2 reallocate.
+            bucket.clear_params() if hasattr(bucket, "clear_params") else bucket.clear()
+        reduced = optimizer.params_already_reduced
+        for key in (reduced.keys() if isinstance(reduced, dict) else range(len(reduced))):
+            reduced[key] = False
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        engine.empty_partition_cache()
+    discard(optimizer)
