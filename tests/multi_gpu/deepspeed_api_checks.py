@@ -65,8 +65,8 @@ def zero_grad_without_set_to_none():
     _assert_close(full_params(engine), ref, "ZeRO-0, zero_grad() without set_to_none")
 
 
-def requires_grad_off_zero12(stage):
-    """True -> False after initialize at ZeRO-1/2: the parameter gets a zero gradient for the window,
+def requires_grad_off(stage):
+    """True -> False after initialize at ZeRO-1/2/3: the parameter gets a zero gradient for the window,
     as PyTorch's Adam with a zero gradient (reliability/misuse.py, [Note: requires_grad turned off
     after initialize]); on again, it trains on."""
     model, ref = MLP(seed=1), MLP(seed=1)
@@ -87,6 +87,7 @@ def requires_grad_off_zero12(stage):
         ref.fc1.weight.requires_grad_(True)
         engine.module.fc1.weight.requires_grad_(True)
     _assert_close(full_params(engine), ref, f"ZeRO-{stage}, requires_grad True -> False -> True")
+    engine.destroy()
 
 
 def set_boundary_updates(stage):
@@ -216,8 +217,8 @@ def zero3_offload_local_grads():
 
 def all_deepspeed_api():
     zero_grad_without_set_to_none()
-    for stage in (1, 2):
-        requires_grad_off_zero12(stage)
+    for stage in (1, 2, 3):
+        requires_grad_off(stage)
     for stage in (0, 1, 2, 3):
         set_boundary_updates(stage)
     set_boundary_bf16_optimizer()

@@ -4,6 +4,6 @@ from harness import run_distributed
 
 
 def test_deepspeed_api_uses():
-    """FusedAdam-style zero_grad(), requires_grad off at ZeRO-1/2, set_gradient_accumulation_boundary,
+    """FusedAdam-style zero_grad(), requires_grad off at ZeRO-1/2/3, set_gradient_accumulation_boundary,
     an assigned ZeRO-3 partition, offloaded ZeRO-3 local gradients between backward and step."""
     run_distributed(checks.all_deepspeed_api, timeout_s=600)
