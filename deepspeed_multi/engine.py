@@ -282,6 +282,7 @@ class MultiEngine(DeepSpeedEngine):
         if not self.is_update_boundary():
             self._window_micro_steps += 1
             self.micro_steps += 1
+            self._step_applied = False  # was_step_applied(): as DeepSpeed's step() off the boundary
             return
         self._window_micro_steps = 0
         if self._mixed_use is not None:

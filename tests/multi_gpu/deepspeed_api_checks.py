@@ -146,6 +146,20 @@ def set_boundary_bf16_optimizer():
     assert all(torch.equal(gathered[0], g) for g in gathered), "ranks updated differently"
 
 
+def was_step_applied_off_the_boundary(stage):
+    """engine.was_step_applied() is False after a step() that only accumulates (it kept the last update's True)."""
+    model = MLP(seed=1)
+    engine = deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        config=ds_config(stage, gas=2))[0]
+    applied = []
+    for step in range(4):
+        _loss(engine, step).backward()
+        engine.step()
+        applied.append(engine.was_step_applied())
+    assert applied == [False, True, False, True], applied
+    engine.destroy()
+
+
 def _zero3_bf16_engine(cast_on_gather):
     model = MLP(seed=1)
     with mock.patch.dict(os.environ, {"DSM_ZERO3_CAST_ON_GATHER": "1" if cast_on_gather else "0"}):
@@ -221,6 +235,7 @@ def all_deepspeed_api():
         requires_grad_off(stage)
     for stage in (0, 1, 2, 3):
         set_boundary_updates(stage)
+        was_step_applied_off_the_boundary(stage)
     set_boundary_bf16_optimizer()
     zero3_partition_assigned()
     zero3_offload_local_grads()

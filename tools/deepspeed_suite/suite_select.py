@@ -10,7 +10,8 @@ def pytest_collection_modifyitems(config, items):
     wanted = [w for w in os.environ.get("DSM_SUITE_SELECT", "").split("\n") if w]
     if not wanted:
         return
-    keep = [i for i in items if any(i.nodeid == w or i.nodeid.startswith(w.rstrip("/") + ("/" if w.endswith("/") else "::"))
+    keep = [i for i in items if any(i.nodeid == w or i.nodeid.startswith(w + "[")  # a test's parametrizations
+                                    or i.nodeid.startswith(w.rstrip("/") + ("/" if w.endswith("/") else "::"))
                                     for w in wanted)]
     config.hook.pytest_deselected(items=[i for i in items if i not in keep])
     items[:] = keep
