@@ -6,7 +6,8 @@ window's last or not: at ZeRO 0/1 a backward after True reduces the gradients as
 after False does not; and a step() after True updates, one after False is a micro-step. Its
 documented use is several backward passes, the last after True, then one step(). MultiEngine
 always runs DeepSpeed unmanaged (config.py, [Note: who owns the gradient-accumulation
-boundary]), so DeepSpeed's assertion would name a setting the user never made.
+boundary]), so DeepSpeed's assertion would name a setting the user never made. Where the user
+did set ``managed_gradient_accumulation=false``, it is refused as DeepSpeed refuses it.
 
 Here the flag, once set, decides :meth:`MultiEngine.is_update_boundary` in place of the count of
 ``gradient_accumulation_steps`` (a step() after False accumulates on, one after True updates),
@@ -31,6 +32,10 @@ _REDUCED = "_dsm_reduced_early"  # this window's gradients were reduced at the e
 
 
 def set_boundary(engine, is_boundary) -> None:
+    if engine._user_managed_boundary:  # the user set managed_gradient_accumulation=false: DeepSpeed refuses it
+        raise AssertionError("set_gradient_accumulation_boundary() is not supported with "
+                             "managed_gradient_accumulation=False (set in this engine's config); the caller owns "
+                             "the boundary by calling step()")
     setattr(engine, _FLAG, bool(is_boundary))
 
 
