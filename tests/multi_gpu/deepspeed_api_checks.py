@@ -122,6 +122,16 @@ def set_boundary_updates(stage):
                      "set_gradient_accumulation_boundary(True)")
 
 
+def set_boundary_refused_when_user_unmanaged():
+    """With managed_gradient_accumulation=false in the config, DeepSpeed's refusal stands."""
+    model = MLP(seed=1)
+    engine = deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        config=ds_config(1, managed_gradient_accumulation=False))[0]
+    expect_error(AssertionError, lambda: engine.set_gradient_accumulation_boundary(True),
+                 "managed_gradient_accumulation=False")
+    engine.destroy()
+
+
 def set_boundary_bf16_optimizer():
     """bf16 ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer): the boundary micro-batch is
     reduced into fp32_groups_gradients_flat when its backward ends, as DeepSpeed does."""
@@ -237,5 +247,6 @@ def all_deepspeed_api():
         set_boundary_updates(stage)
         was_step_applied_off_the_boundary(stage)
     set_boundary_bf16_optimizer()
+    set_boundary_refused_when_user_unmanaged()
     zero3_partition_assigned()
     zero3_offload_local_grads()
