@@ -26,7 +26,7 @@ OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_fuzz.py test
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi demo bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi test-deepspeed-suite demo bench fuzz clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,19 @@ test-unit: setup
 
 test-multi: setup
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests/multi_gpu
+
+# DeepSpeed's own unit tests, upstream and with deepspeed_multi.initialize in every test process
+# (tools/deepspeed_suite/run.py, docs/deepspeed_suite.md); not part of `make test`.
+# `make test-deepspeed-suite DEEPSPEED_SRC=<a DeepSpeed source checkout>`. DeepSpeed pins pytest < 8.4
+# and runs its tests with pytest-forked: those go to a folder of their own, never into the venv.
+SUITE_PKGS := $(abspath $(VENV))/deepspeed-suite-packages
+$(SUITE_PKGS)/.installed: $(STAMP)
+	$(PY) -m pip install -q --target $(SUITE_PKGS) "pytest>=8,<8.4" pytest-forked "pytest-xdist<3.7"
+	touch $@
+
+test-deepspeed-suite: setup $(SUITE_PKGS)/.installed
+	@test -n "$(DEEPSPEED_SRC)" || { echo "usage: make test-deepspeed-suite DEEPSPEED_SRC=<a DeepSpeed source checkout>"; exit 2; }
+	$(PY) tools/deepspeed_suite/run.py --deepspeed-src $(DEEPSPEED_SRC) --pytest-packages $(SUITE_PKGS)
 
 demo: setup
 	DS_ACCELERATOR=cpu $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py

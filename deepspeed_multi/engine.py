@@ -13,7 +13,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from . import compat, hand_back, zero
+from . import compat, hand_back, user_boundary, zero
 from .autograd import grad_scale, graph, outside_use
 from .autograd.boundary import wrap_inputs, wrap_outputs
 from .autograd.region import Region
@@ -120,8 +120,7 @@ class MultiEngine(DeepSpeedEngine):
         outputs = stage3_counters.cover_outputs(module, outputs)
         return wrap_outputs(self, outputs, _ForwardRecord(stage3_counters.armed_by_forward(zero3_before, module)))
 
-    # DeepSpeed's own output hooks (registered by DeepSpeedEngine.forward) call these two;
-    # the boundary nodes replace them, so they do nothing here.
+    # DeepSpeed's output hooks (DeepSpeedEngine.forward) call these two; the boundary nodes replace them.
     def _backward_prologue(self):
         pass
 
@@ -248,20 +247,17 @@ class MultiEngine(DeepSpeedEngine):
                                "gradients, then run it again.")
 
     def is_update_boundary(self) -> bool:
-        """True when the next step() applies an update (end of the gradient-accumulation window)."""
-        if self._user_managed_boundary:
-            return True
-        return (self._window_micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        """True when the next step() applies an update (end of the window, or the caller's boundary)."""
+        return user_boundary.is_update_boundary(self)
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        user_boundary.set_boundary(self, is_boundary)  # [Note: a boundary set by the caller]
 
     @contextmanager
     def no_sync(self):
-        """Accepted at every stage; gradients stay exactly right inside it.
-
-        Gradients are already reduced only at the update for stages 0 and 1 (see [Note: who owns
-        the gradient-accumulation boundary] in config.py), so this is DeepSpeed's no_sync there.
-        Stages 2 and 3 must reduce-scatter during each backward to partition gradients; inside
-        this context they still do (it saves nothing, but nothing is lost either).
-        """
+        """Accepted at every stage; gradients stay exactly right inside it. Stages 0/1 reduce only at
+        the update ([Note: who owns the gradient-accumulation boundary]): DeepSpeed's no_sync there.
+        Stages 2/3 must reduce-scatter in each backward; inside it they still do (saves nothing)."""
         if self.zero_optimization_partition_gradients():
             yield
         else:
@@ -271,8 +267,9 @@ class MultiEngine(DeepSpeedEngine):
     def allreduce_gradients(self, *args, **kwargs):
         if not self._agreement_in_pack:
             self._rank_agreement.finish()  # before the first gradient collective (rank_agreement.py)
-        with dp_groups.own_dp_group(self):  # ZeRO-0 reduces over DeepSpeed's process-wide group
-            super().allreduce_gradients(*args, **kwargs)
+        with dp_groups.own_dp_group(self), user_boundary.reduction(self) as reduce:  # (ZeRO-0: own group)
+            if reduce:
+                super().allreduce_gradients(*args, **kwargs)
 
     @watchdog.watched("step")
     def step(self, lr_kwargs=None):
@@ -285,6 +282,7 @@ class MultiEngine(DeepSpeedEngine):
         if not self.is_update_boundary():
             self._window_micro_steps += 1
             self.micro_steps += 1
+            self._step_applied = False  # was_step_applied(): as DeepSpeed's step() off the boundary
             return
         self._window_micro_steps = 0
         if self._mixed_use is not None:

@@ -25,6 +25,8 @@ What each mistake meets (README "Failure and recovery" lists upstream's behaviou
 * ``requires_grad`` changed on a parameter after initialize: refused at the next update
   (:func:`check_requires_grad_unchanged`, one pass over the parameters per update); the
   optimizer and ZeRO's partitions were built for the parameters that required grad then.
+  Except True -> False at ZeRO-1/2/3: the parameter keeps its place in the flat partition and
+  gets a zero gradient for the window, as an unused parameter does.
 * one backward through trainable engines on different data-parallel groups (``mpu``): refused
   before any engine's backward starts (``dp_groups.check_dp_groups``) unless every engine it reaches
   opted in with ``allow_mixed_dp_groups``; each engine averages over its own group, so the
@@ -195,12 +197,28 @@ def install_outer_engine_guard(engine) -> None:
 
 
 def check_requires_grad_unchanged(engine) -> None:
-    """Every parameter's requires_grad is what it was at initialize (called at each update)."""
+    """Every parameter's requires_grad is what it was at initialize (called at each update).
+
+    [Note: requires_grad turned off after initialize]
+    ZeRO-1/2/3 keep every parameter that required grad at initialize in flat fp32 partitions
+    and step whole partitions; a parameter whose requires_grad was then turned off gets no
+    gradient in the window, so its slice holds zeros: exactly a parameter the window's backward
+    did not reach (docs/limits.md), and the update equals PyTorch's with a zero gradient for it
+    (tests/multi_gpu/deepspeed_api_checks.py, requires_grad_off, fp32 Adam at each of the three
+    stages). DeepSpeed's own tests toggle it that way (half the parameters per iteration).
+    False -> True (the optimizer has no state or partition for it) stays refused, and so does any
+    change at ZeRO-0, where the optimizer steps the parameters themselves and a parameter
+    without a gradient is skipped (not measured here).
+    """
     now = [p for p in engine.module.parameters() if p.requires_grad]
     if len(now) == len(engine._trainable_params) and all(a is b for a, b in zip(now, engine._trainable_params)):
         return
     was = {id(p) for p in engine._trainable_params}
     changed = [(n, id(p) not in was) for n, p in engine.module.named_parameters() if p.requires_grad != (id(p) in was)]
+    if engine.zero_optimization_stage() in (1, 2, 3):
+        changed = [(n, on) for n, on in changed if on]
+        if not changed:
+            return
     detail = ", ".join(f"{n!r} ({'False -> True' if on else 'True -> False'})" for n, on in changed[:5])
     raise RuntimeError(
         f"MultiEngine ({engine._engine_name()}): requires_grad changed after deepspeed_multi.initialize on {detail}. "

@@ -6,6 +6,8 @@ DeepSpeed reduces gradients during or right after each backward and accumulates 
 result in optimizer-owned buffers; ``param.grad`` alone does not hold them. MultiEngine needs
 PyTorch's meaning: every backward accumulates, ``zero_grad()`` discards, ``step()`` consumes.
 """
+import inspect
+
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -46,7 +48,26 @@ def discard(optimizer) -> None:
         optimizer.all_grad_tensors = {}
         optimizer._epilogue_ran_this_backward = False
     elif optimizer is not None and hasattr(optimizer, "zero_grad"):
+        grads_to_none(optimizer)
+
+
+def grads_to_none(optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, for optimizers whose zero_grad() lacks the argument.
+
+    DeepSpeed's FusedAdam (and other older optimizers) define ``zero_grad(self)``; those are
+    cleared through their param_groups. DeepSpeed's wrappers (BF16_Optimizer, FP16_Optimizer)
+    take the argument and also clear the 16-bit model gradients their param_groups do not hold.
+    """
+    try:
+        accepted = inspect.signature(optimizer.zero_grad).parameters.values()
+    except (TypeError, ValueError):
+        accepted = ()
+    if any(p.name == "set_to_none" or p.kind is p.VAR_KEYWORD for p in accepted):
         optimizer.zero_grad(set_to_none=True)
+        return
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            p.grad = None
 
 
 def abort_backward(engine) -> None:

@@ -18,6 +18,16 @@ buffers are zeroed, so the next window starts from zeros as the non-offload path
 swapped out to NVMe are not DeepSpeed's reused CPU buffers and are left alone. A slot that gets a
 gradient is overwritten by DeepSpeed's copy as before: results are DeepSpeed's bits wherever
 DeepSpeed is right. A correctness fix, installed on every supported release.
+
+[Note: offloaded ZeRO-3 gradients read between backward and step]
+At ZeRO-3 with ``offload_optimizer`` the copy into the CPU buffers is the boundary's work
+(``finalize_gradient_accumulation_boundary``): DeepSpeed's managed accumulation runs it in the
+last backward of a window, so ``safe_get_local_grad``/``safe_set_local_grad`` (and their full
+versions) and ``_get_norm_groups`` called between that backward and ``step()`` see the window's
+gradients. MultiEngine runs it in ``step()``, so they read the previous window's (zeros: see the
+Note above) and a write is overwritten by the copy. Here each of them first runs the pending
+boundary copy (once per window: ``step()`` skips it then), and a backward after it makes the copy
+pending again (its gradients accumulate in the device partitions the copy reads).
 """
 from __future__ import annotations
 
@@ -58,10 +68,47 @@ def _replacement(optimizer):
     return None
 
 
+# ZeRO-3 methods that read or write the offloaded gradient buffers (second Note).
+_READERS = ("get_local_fp32_grad_for_param", "set_local_grad_for_param", "get_fp32_grad_for_param",
+            "set_fp32_grad_for_param", "_get_norm_groups")
+_FINALIZE = "finalize_gradient_accumulation_boundary"
+
+
+def _mark_pending(optimizer) -> None:
+    compat.state(optimizer, FEATURE)["pending"] = True
+
+
+def _finalize_once(self):
+    """The boundary copy into the CPU buffers, unless it ran since the last backward (second Note)."""
+    state = compat.state(self, FEATURE)
+    if state.get("pending", True):
+        state["pending"] = False
+        return compat.original(self, _FINALIZE)()
+    self.set_gradient_accumulation_boundary(True)
+
+
+def _after_boundary_copy(name):
+
+    def read_after_copy(self, *args, **kwargs):
+        if compat.state(self, FEATURE).get("pending"):
+            _finalize_once(self)
+        return compat.original(self, name)(*args, **kwargs)
+
+    read_after_copy.__name__ = name
+    return read_after_copy
+
+
 def install(optimizer) -> bool:
-    """Zero the offloaded gradient buffers after every step (see the Note); return whether needed."""
+    """Zero the offloaded gradient buffers after every step, and at ZeRO-3 run the boundary copy
+    before a gradient read (see the Notes); return whether needed."""
     replacement = _replacement(optimizer)
     if replacement is None:
         return False
     compat.replace_method(optimizer, _RESET, replacement, FEATURE)
+    if replacement is reset_cpu_buffers_zero3:
+        compat.state(optimizer, FEATURE, {"pending": False})
+        compat.replace_method(optimizer, _FINALIZE, _finalize_once, FEATURE)
+        for name in _READERS:
+            compat.replace_method(optimizer, name, _after_boundary_copy(name), FEATURE)
+        compat.run_before(optimizer, "backward_prologue", _mark_pending, FEATURE)
     return True

@@ -12,7 +12,7 @@ above FSDP2's in bf16 on encoder -> LLM (``benchmarks/memory_breakdown.py``).
 
 Here the 16-bit buffer is released after construction and each ``ds_tensor`` is a placeholder
 of the right shape and dtype: one NaN, expanded (a read by anything this module does not know
-of is NaN, loudly; a write raises). The gathers (``Init._all_gather``, class-wide, for
+of is NaN, loudly; an in-place write raises). The gathers (``Init._all_gather``, class-wide, for
 ``GatheredParameters`` and the persistent parameters; each module parameter's
 ``all_gather_coalesced``, for the forward's and backward's fetches) first put a fresh tensor in
 ``ds_tensor``, the master's slice cast to the parameter's dtype, and put the placeholder back
@@ -27,7 +27,10 @@ kept as DeepSpeed keeps them: a parameter written under ``GatheredParameters(mod
 ``safe_set_full_fp32_param`` / ``safe_set_local_fp32_param`` is *pinned*: its ``ds_tensor`` is
 a real copy of DeepSpeed's 16-bit value, which the write changes (or does not, for a master
 write), until the next update of its sub-group overwrites it from the master, as DeepSpeed's
-update does. Every other DeepSpeed method that reads or writes the 16-bit buffer (the
+update does. A partition replaced by assignment (``param.ds_tensor.data = value``, as DeepSpeed's
+own tests do) is pinned the same way at the next read (a gather, DeepSpeed's layout): upstream
+that value is the partition until the update re-views the partition into the buffer, so here it
+is ``ds_tensor`` until that update too (``_take_assigned``). Every other DeepSpeed method that reads or writes the 16-bit buffer (the
 checkpoint loads, ``refresh_fp32_params``) runs on DeepSpeed's layout: the buffer is rebuilt
 from the masters and the pinned copies before it, and released after it, pinning any parameter
 whose 16-bit value then differs from its master's cast. ``offload_states`` and ``destroy()``
@@ -75,6 +78,7 @@ class _CastOnGather:
     def poison(self, t: torch.Tensor) -> None:
         n = t.numel()  # (one element would be the shared NaN itself, writable: its own then)
         t.data = self.nan.expand(n) if n != 1 else self.nan.clone()
+        t._dsm_poison_ptr = t.data_ptr()  # a ``.data =`` assignment changes it (_take_assigned)
 
     def params(self):
         """(sub-group, parameter, offset in the sub-group, placeholder) for every parameter."""
@@ -99,6 +103,8 @@ class _CastOnGather:
         """DeepSpeed's 16-bit buffer again: the masters' casts, then the pinned values (the released
         buffers kept their shapes, so the sizes are read from them)."""
         opt = self.optimizer
+        for _, p, _, ph in self.params():
+            _take_assigned(self, p, ph)
         buffer = torch.empty(opt.lp_param_buffer.numel(), dtype=self.dtype, device=self.device)
         opt.lp_param_buffer.data = buffer
         start = 0
@@ -133,13 +139,28 @@ def _partition_tensor(value: torch.Tensor, placeholder: torch.Tensor) -> torch.T
     return value
 
 
+def _take_assigned(state, p, ph) -> None:
+    """``p.ds_tensor.data = value`` replaced the placeholder's storage: pin that value (see the Note)."""
+    if p.ds_tensor is not ph or ph.data_ptr() == getattr(ph, "_dsm_poison_ptr", ph.data_ptr()):
+        return
+    value = ph.data
+    if value.numel() != ph.ds_numel:
+        raise RuntimeError(f"ZeRO-3 partition of a parameter (ds_id {getattr(p, 'ds_id', '?')}) was assigned "
+                           f"{value.numel()} elements; it holds {ph.ds_numel}.")
+    state.poison(ph)
+    p.ds_tensor = _partition_tensor(value.to(state.dtype), ph)
+
+
 def _cast(p) -> bool:
     """Put the master's cast in ``p.ds_tensor`` if it holds the placeholder; return whether it did."""
     source = getattr(p, _SOURCE, None)
     if source is None:
         return False
     state, group, offset, ph = source
-    if not state.on or state.layout_depth or p.ds_tensor is not ph:
+    if not state.on or state.layout_depth:
+        return False
+    _take_assigned(state, p, ph)
+    if p.ds_tensor is not ph:
         return False  # DeepSpeed's layout, or pinned: ds_tensor holds the value
     p.ds_tensor = _partition_tensor(state.master_cast(group, offset, ph.ds_numel), ph)
     return True
@@ -214,6 +235,8 @@ def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
     if not state.on or state.layout_depth:
         return compat.original(self, "_reassign_or_swap_out_partitioned_parameters")(sub_group_id)
     for p, ph in zip(self.fp16_groups[sub_group_id], self.fp16_partitioned_groups[sub_group_id]):
+        if ph.data_ptr() != getattr(ph, "_dsm_poison_ptr", ph.data_ptr()):
+            state.poison(ph)  # assigned since the last gather: DeepSpeed's re-view drops it too
         p.ds_tensor = ph
 
 
