@@ -132,7 +132,7 @@ def set_checkpoint_on_nodes(node_local, disk):
         manifest = json.load(f)
     storage = manifest["storage"]
     assert storage["node_local"] == node_local, storage
-    from deepspeed_multi.checkpoint import _owner
+    from deepspeed_multi.checkpoint_disks import _owner
     owners = {_owner(f) for f in manifest["files"]} - {None}
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     mine = set(range(node * local, (node + 1) * local)) if node_local else set(range(world))

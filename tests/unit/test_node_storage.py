@@ -1,13 +1,13 @@
-"""The node-aware decisions that need no processes: which tag each node's disk loads (checkpoint.py,
+"""The node-aware decisions that need no processes: which tag each node's disk loads (checkpoint_disks.py,
 [Note: node-local storage]), which files are a rank's own, and the watchdog's lost-rank message."""
 import pytest
 
-from deepspeed_multi import checkpoint
+from deepspeed_multi import checkpoint_disks
 from deepspeed_multi.reliability import watchdog
 
 
 def _disks():
-    return checkpoint._Disks([[0, 1], [2, 3]], [[0], [1]], 4)
+    return checkpoint_disks._Disks([[0, 1], [2, 3]], [[0], [1]], 4)
 
 
 def _view(tags, latest):
@@ -17,41 +17,41 @@ def _view(tags, latest):
 
 def test_newest_tag_on_every_disk():
     views = [_view({"a": 1, "b": 2}, "b"), _view({"a": 1, "b": 2}, "b")]
-    assert [m["tag"] for m in checkpoint._choose_on_every_disk("/ckpt", None, views, _disks())] == ["b", "b"]
+    assert [m["tag"] for m in checkpoint_disks._choose_on_every_disk("/ckpt", None, views, _disks())] == ["b", "b"]
 
 
 def test_save_ended_between_the_renames_loads_the_previous_tag():
     views = [_view({"a": 1, "b": 2}, "a"), _view({"a": 1}, "a")]
-    assert [m["tag"] for m in checkpoint._choose_on_every_disk("/ckpt", None, views, _disks())] == ["a", "a"]
+    assert [m["tag"] for m in checkpoint_disks._choose_on_every_disk("/ckpt", None, views, _disks())] == ["a", "a"]
 
 
 @pytest.mark.parametrize("node1", [{"a": 1}, {}])
 def test_a_node_without_the_published_tag_fails_naming_it(node1):
     views = [_view({"a": 1, "b": 2}, "b"), _view(node1, "a" if node1 else None)]
     with pytest.raises(FileNotFoundError, match=r"node 1 \(ranks 2-3\) has no complete checkpoint 'b' in /ckpt"):
-        checkpoint._choose_on_every_disk("/ckpt", None, views, _disks())
+        checkpoint_disks._choose_on_every_disk("/ckpt", None, views, _disks())
 
 
 def test_an_explicit_tag_must_be_on_every_disk():
     views = [_view({"a": 1, "b": 2}, "b"), _view({"b": 2}, "b")]
     with pytest.raises(FileNotFoundError, match=r"node 1 \(ranks 2-3\) has no complete checkpoint 'a'"):
-        checkpoint._choose_on_every_disk("/ckpt", "a", views, _disks())
+        checkpoint_disks._choose_on_every_disk("/ckpt", "a", views, _disks())
 
 
 def test_copies_of_different_saves_are_refused():
     views = [_view({"a": 1}, "a"), _view({"a": 1}, "a")]
     views[1]["complete"]["a"]["save_id"] = "other"
     with pytest.raises(ValueError, match="different saves"):
-        checkpoint._choose_on_every_disk("/ckpt", None, views, _disks())
+        checkpoint_disks._choose_on_every_disk("/ckpt", None, views, _disks())
 
 
 def test_per_rank_files():
-    assert checkpoint._owner("rng/rank3.pt") == 3
-    assert checkpoint._owner("enc/zero_pp_rank_2_mp_rank_00_optim_states.pt") == 2
-    assert checkpoint._owner("enc/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt") == 1
-    assert checkpoint._owner("dec/zero_pp_rank_0_mp_rank_00_model_states.pt") == 0
+    assert checkpoint_disks._owner("rng/rank3.pt") == 3
+    assert checkpoint_disks._owner("enc/zero_pp_rank_2_mp_rank_00_optim_states.pt") == 2
+    assert checkpoint_disks._owner("enc/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt") == 1
+    assert checkpoint_disks._owner("dec/zero_pp_rank_0_mp_rank_00_model_states.pt") == 0
     for common in ("enc/mp_rank_00_model_states.pt", "client_state.pt", "zero_to_fp32.py", "manifest.json"):
-        assert checkpoint._owner(common) is None, common
+        assert checkpoint_disks._owner(common) is None, common
 
 
 def test_watchdog_names_lost_ranks_and_their_node():
