@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..switches import BUILD_DIR
+from ..switches import BUILD_DIR, BUILD_WAIT_REPORT_SECONDS
 from ..switches import value as _switch_value
 
 # The sources: inside the package for a regular install (setup.py copies them), else the
@@ -58,7 +58,6 @@ _cache: dict[str, object] = {}
 
 LOCK_NAME = "dsm.lock"
 TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton
-WAIT_REPORT_SECONDS = float(os.environ.get("DSM_BUILD_WAIT_REPORT_SECONDS", "5"))
 
 
 class BuildError(RuntimeError):
@@ -109,7 +108,7 @@ def build_lock(directory: Path):
     path = directory / LOCK_NAME
     with open(path, "a+") as handle:
         started = time.monotonic()
-        next_report = WAIT_REPORT_SECONDS
+        next_report = max(float(_switch_value(BUILD_WAIT_REPORT_SECONDS, "5")), 0.1)
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -123,7 +122,7 @@ def build_lock(directory: Path):
                          f"{holder}; it takes tens of seconds on first use. If no such process is "
                          f"running (a build on another host sharing this directory that died), "
                          f"delete {path}, or set DSM_BUILD_DIR to a directory of this node's own.")
-                    next_report += max(WAIT_REPORT_SECONDS, 1.0) * 2
+                    next_report = 2 * next_report
                 time.sleep(0.2)
         handle.seek(0)
         handle.truncate()
