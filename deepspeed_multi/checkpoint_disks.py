@@ -12,6 +12,8 @@ import socket
 
 import deepspeed.comm as dist
 
+from .reliability.watchdog import node_index
+
 logger = logging.getLogger("deepspeed_multi.checkpoint")
 LATEST = "latest"
 
@@ -27,9 +29,8 @@ def _owner(relpath):
 
 def _node_key():
     """What tells this rank's node from the others: the host name and, where the launcher sets one,
-    its node index (torchrun's GROUP_RANK, the DeepSpeed launcher's CROSS_RANK, SLURM_NODEID)."""
-    index = next((os.environ[k] for k in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if k in os.environ), "")
-    return f"{socket.gethostname()}/{index}"
+    its node index."""
+    return f"{socket.gethostname()}/{node_index() or ''}"
 
 
 class _Disks:

@@ -451,9 +451,14 @@ def _install_excepthook():
     sys.excepthook = hook
 
 
+def node_index():
+    """This rank's node index where the launcher sets one (torchrun's GROUP_RANK, the DeepSpeed
+    launcher's CROSS_RANK, SLURM_NODEID), else None."""
+    return next((os.environ[k] for k in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if k in os.environ), None)
+
+
 def _whoami():
-    node = next((os.environ[k] for k in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID") if k in os.environ), None)
-    return {"host": socket.gethostname(), "pid": os.getpid(), "node": node}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "node": node_index()}
 
 
 def _span(ranks):
@@ -464,7 +469,8 @@ def format_message(failures, reports, world, rank, members=None, cause=None):
     """The error every rank prints: which ranks are lost, which engine, where each rank is, what to do."""
     lines = []
     lost = [r for r in range(world) if r not in reports]
-    if lost and len(lost) < world:
+    some_lost = bool(lost) and len(lost) < world
+    if some_lost:
         members = members or {}
         by_node = {}
         for r in lost:
@@ -480,7 +486,7 @@ def format_message(failures, reports, world, rank, members=None, cause=None):
             "deepspeed_multi.load_checkpoint.")
         if cause:
             lines.append(f"  the collective failed on rank {rank} with: {cause}")
-    if failures and lost and len(lost) < world:
+    if failures and some_lost:
         f = failures[0]
         lines.append(f"  rank {f['rank']} waited {f['waited_s']} s in MultiEngine ({f['name']}, ZeRO stage "
                      f"{f['stage']})'s {_REGIONS.get(f['what'], f['what'])}")
@@ -520,7 +526,7 @@ def format_message(failures, reports, world, rank, members=None, cause=None):
         lines.append(f"  rank {r} ({rep['host']} pid {rep['pid']}): "
                      + ("in " + "; ".join(inside) if inside else "in no engine's collective region")
                      + f"; main thread at {rep['at']}")
-    if lost and len(lost) < world:
+    if some_lost:
         return "\n".join(lines)
     lines.append(
         "  Fix: a forward, backward or step() that reaches an engine on some ranks only leaves its collectives "

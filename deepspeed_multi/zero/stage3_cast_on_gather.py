@@ -139,9 +139,14 @@ def _partition_tensor(value: torch.Tensor, placeholder: torch.Tensor) -> torch.T
     return value
 
 
+def _assigned(ph) -> bool:
+    """The placeholder's storage was replaced (``ds_tensor.data = value``) since it was poisoned."""
+    return ph.data_ptr() != getattr(ph, "_dsm_poison_ptr", ph.data_ptr())
+
+
 def _take_assigned(state, p, ph) -> None:
     """``p.ds_tensor.data = value`` replaced the placeholder's storage: pin that value (see the Note)."""
-    if p.ds_tensor is not ph or ph.data_ptr() == getattr(ph, "_dsm_poison_ptr", ph.data_ptr()):
+    if p.ds_tensor is not ph or not _assigned(ph):
         return
     value = ph.data
     if value.numel() != ph.ds_numel:
@@ -235,7 +240,7 @@ def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
     if not state.on or state.layout_depth:
         return compat.original(self, "_reassign_or_swap_out_partitioned_parameters")(sub_group_id)
     for p, ph in zip(self.fp16_groups[sub_group_id], self.fp16_partitioned_groups[sub_group_id]):
-        if ph.data_ptr() != getattr(ph, "_dsm_poison_ptr", ph.data_ptr()):
+        if _assigned(ph):
             state.poison(ph)  # assigned since the last gather: DeepSpeed's re-view drops it too
         p.ds_tensor = ph
 
