@@ -11,6 +11,11 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("DSM_TEST_TIMEOUT", "240"))
 
 
 def _allow_fp16_on_cpu(gpu):
+    if gpu and os.environ.get("DSM_TEST_DETERMINISTIC") == "1":
+        # Bit-identical resume checks on a GPU need kernels that sum in a fixed order (CUDA's atomics do
+        # not); CUBLAS_WORKSPACE_CONFIG=:4096:8 must be set as well (benchmarks/run_gpu.sh sets both).
+        import torch
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if not gpu:
         # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU,
         # yet torch computes fp16 on any CPU; the fp16 tests need it (test-only).

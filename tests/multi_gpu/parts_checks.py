@@ -42,6 +42,11 @@ def batch(step, rank, n=2, length=6):
     return {"pixel_values": torch.randn(n, 3, 8, 8, generator=g), "input_ids": ids, "labels": ids.clone()}
 
 
+def on_device(engine, b):
+    """The batch on the engine's device (a GPU rank's engine holds its model there; the references run on CPU)."""
+    return {k: v.to(engine.device) for k, v in b.items()}
+
+
 def groups(model, weight_decay=0.1):
     trainable = [p for p in model.parameters() if p.requires_grad]
     # A parameter partitioned by zero.Init holds an empty tensor: its shape is ds_shape.
@@ -87,7 +92,7 @@ def train(engine, windows, gas, start=0):
     rank = dist.get_rank()
     norms = []
     for step in range(start, windows * gas):
-        loss = engine(**batch(step, rank))
+        loss = engine(**on_device(engine, batch(step, rank)))
         loss.backward()
         engine.step()
         if (step + 1) % gas == 0:
@@ -139,7 +144,8 @@ def check_exact(top_stage, submodules, gas, clip=0.5, windows=3, lr=1e-2, prepar
     if generate:  # the ZeRO-3 part called on its own, through Transformers' generate()
         prompt = batch(0, 0)["input_ids"][:1, :4]
         with torch.no_grad():
-            got = engine.module.language_model.generate(prompt, max_new_tokens=4, do_sample=False)
+            got = engine.module.language_model.generate(prompt.to(engine.device), max_new_tokens=4,
+                                                        do_sample=False).cpu()
             want = ref.language_model.generate(prompt, max_new_tokens=4, do_sample=False)
         assert torch.equal(got, want), (what, got, want)
     return err
@@ -237,7 +243,7 @@ def check_16bit(dtype, gas=2, windows=3, poisoned=1, clip=0.5, lr=1e-2):
         poison["on"] = dtype == "fp16" and window == poisoned and step % gas == 0
         if dtype == "fp16" and window == poisoned and step % gas == 0:
             before = part_params(engine)
-        engine(**batch(step, rank)).backward()
+        engine(**on_device(engine, batch(step, rank))).backward()
         engine.step()
         if dtype == "fp16" and window == poisoned and (step + 1) % gas == 0:
             after = part_params(engine)

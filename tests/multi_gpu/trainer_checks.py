@@ -43,7 +43,8 @@ def _args(out, gas, max_grad_norm, deepspeed=None, args_cls=None, **kw):
     from transformers import TrainingArguments
     args = dict(output_dir=out, per_device_train_batch_size=MICRO_BS, gradient_accumulation_steps=gas,
                 learning_rate=2e-2, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=max_grad_norm,
-                num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[],
+                use_cpu=not torch.cuda.is_available(), seed=0,
                 data_seed=0, dataloader_drop_last=True, disable_tqdm=True, deepspeed=deepspeed)
     args.update(kw)
     return (args_cls or TrainingArguments)(**args)
@@ -595,3 +596,45 @@ def fp16_skipped_steps(stage=2, gas=1):
             f"the schedule gives {want} (it must not advance on a skipped update)"
     assert seen[-1][2] - seen[-1][1] == total - sum(flags), seen[-1]
     return flags
+
+
+def fp16_skips_like_ddp_grad_scaler(stage=2, gas=1, scale_power=24):
+    """fp16 on a GPU, where a DDP Trainer runs with a GradScaler: the same job with our engine (fp16, a dynamic
+    loss scale with the GradScaler's rules: halve on overflow, double after 2,000 clean updates) and with the
+    DDP Trainer, both starting at a loss scale of 2**scale_power that overflows for the first updates. At
+    every step ``optimizer_step_was_skipped`` and the learning rate must be the same in both runs; the
+    losses agree as fp16 training allows (the DDP run keeps fp32 weights under autocast, ours fp16 ones)."""
+    import torch
+    from transformers import Trainer, TrainerCallback
+
+    from deepspeed_multi.transformers import Trainer as MultiTrainer
+    cfg = ds_config(stage, gas, None)
+    cfg["fp16"] = {"enabled": "auto", "initial_scale_power": scale_power, "loss_scale_window": 2000,
+                   "hysteresis": 1, "min_loss_scale": 1}
+    runs = {}
+    for name, cls, deepspeed in (("ours", MultiTrainer, cfg), ("ddp", Trainer, None)):
+        seen = []
+
+        class Record(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                seen.append(trainer.accelerator.optimizer_step_was_skipped)
+
+        _fresh_process_state()
+        trainer = cls(model=causal_lm(), args=_args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), fp16=True),
+                      train_dataset=TokenData(), callbacks=[Record()])
+        if deepspeed is None:
+            assert trainer.accelerator.scaler is not None, "the DDP reference must run with a GradScaler"
+            trainer.accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** scale_power,
+                                                              growth_interval=2000)
+        logs, _, _ = _train(trainer)
+        runs[name] = (seen, logs)
+    (ours, ours_logs), (ddp, ddp_logs) = runs["ours"], runs["ddp"]
+    what = f"ZeRO-{stage} gas {gas} fp16 from scale 2**{scale_power}"
+    assert any(ddp) and not all(ddp), f"{what}: the DDP run must hold skipped and applied updates: {ddp}"
+    assert ours == ddp, f"{what}: skipped updates differ\n ours {ours}\n DDP  {ddp}"
+    lrs = [h["learning_rate"] for h in ours_logs], [h["learning_rate"] for h in ddp_logs]
+    assert lrs[0] == lrs[1], f"{what}: learning rates differ\n ours {lrs[0]}\n DDP  {lrs[1]}"
+    losses = [(h["loss"], g["loss"]) for h, g in zip(ours_logs, ddp_logs)]
+    worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in losses)
+    assert worst <= 2e-2, f"{what}: losses differ by {worst:.3e} relative: {losses}"
+    return ours, worst
