@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU list on a machine with ONE GPU, in phases sized for a 10-minute lease call:
-#   benchmarks/run_gpu.sh OUT kernels [matrix] [engines] [cuda] [api] [lazy] [memory] [bench]
+#   benchmarks/run_gpu.sh OUT kernels [matrix] [engines] [cuda] [api] [lazy] [memory] [bench] [trainer] [llama]
 #     kernels: tests/unit (the CUDA kernels against the reference), the fused-op microbenchmark
 #     cuda:    the CUDA unit tests alone (a shorter kernels)
 #     bench:   the bf16 fused-op microbenchmark alone
@@ -8,6 +8,10 @@
 #     lazy:    the ZeRO-3 gradient partition tests (stage3_lazy_grads, stage3_grad_view) alone
 #     memory:  memory_breakdown.py (large, or $MEMORY_SIZES; fp32 and bf16) on one GPU, with the allocator's peak
 #     matrix:  the correctness matrix on one rank under NCCL
+#     trainer: test_trainer.py and test_parts.py on one rank under NCCL (Trainer, TRL, a model in parts),
+#              deterministic kernels so that the bit-identical resume checks mean something
+#     llama:   benchmarks/llama_gpu.py: ours vs upstream on a 0.37B Llama (one engine ZeRO 1-3, distillation),
+#              each variant in its own process, and a profiler trace of one step of ours
 #     engines: the fused matrix and the step tests on one rank under NCCL; the end-to-end
 #              benchmarks on one GPU (ours vs upstream, fused on/off)
 # Everything is logged under /tmp/gpu-<phases> and packed into OUT/gpu-<phases>.tar.gz after every
@@ -101,7 +105,16 @@ for phase in $PHASES; do
       step memory_breakdown "${MEMORY_SECONDS:-150}" "$PY" benchmarks/memory_breakdown.py --sizes ${MEMORY_SIZES:-large} \
         ${MEMORY_VARIANTS:+--variants "$MEMORY_VARIANTS"}
       ;;
-    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench)"; exit 2 ;;
+    trainer)
+      step trainer_tests "${TRAINER_SECONDS:-330}" env DSM_TEST_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+        "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rA --durations=20" tests/multi_gpu/test_trainer.py \
+        tests/multi_gpu/test_parts.py ${TRAINER_K:+-k "$TRAINER_K"}
+      ;;
+    llama)
+      step llama "${LLAMA_SECONDS:-300}" "$PY" benchmarks/llama_gpu.py --rounds "${LLAMA_ROUNDS:-2}" --trace \
+        ${LLAMA_STAGES:+--stages $LLAMA_STAGES}
+      ;;
+    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench, trainer, llama)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu-$PHASE.tar.gz" -C "$WORK" . && echo "packed $OUT/gpu-$PHASE.tar.gz"
