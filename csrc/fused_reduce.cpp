@@ -649,9 +649,10 @@ void check_fits(const char* op, const Arg& name, const at::Tensor& t, int64_t of
 // The tensor-list arguments, read from the Python sequence without pybind's std::vector<at::Tensor>
 // caster: that caster cost about 70 ns a tensor (an at::Tensor copy, so an atomic reference count
 // up and down, and a sequence item fetch, per element), 280 us of a 4,096-tensor call whose checks
-// and CPU kernel took 170 us (x86-64 CPU, tiny tensors); this costs about 3 ns a tensor. The tuple holds a reference to every
-// tensor for the call, so a list that another thread changes while run() has released the GIL
-// cannot free one under the kernel. Accepts what the caster accepted: any sequence but str/bytes.
+// and CPU kernel took 170 us (x86-64 CPU, tiny tensors); this costs about 3 ns a tensor. The tuple
+// holds a reference to every tensor for the call, so a list that another thread changes while run()
+// has released the GIL cannot free one under the kernel. Accepts what the caster accepted: any
+// sequence but str/bytes.
 class TensorList {
  public:
   TensorList(const char* op, const char* name, const py::handle& seq) {
