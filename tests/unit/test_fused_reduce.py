@@ -298,13 +298,13 @@ def test_cuda_table_cache_hits_on_the_same_tensors_and_is_bit_identical(table_ca
         expected_flag = ref.pack(tensors, expected, scale)
         same(out, expected)
         assert flag.item() == expected_flag.item()
-        previous = ext.set_cuda_table_cache(0)
-        try:
-            off = torch.full_like(out, 7.0)
-            assert counted(ext, lambda: ext.pack(tensors, off, scale)) == (0, 0)
-        finally:
-            ext.set_cuda_table_cache(previous)
-        same(out, off)
+    previous = ext.set_cuda_table_cache(0)  # off (and emptied)
+    try:
+        off = torch.full_like(out, 7.0)
+        assert counted(ext, lambda: ext.pack(tensors, off, 1.0)) == (0, 0)
+    finally:
+        ext.set_cuda_table_cache(previous)
+    same(out, off)
     # unpack on the same table words with assign, then accumulate, then another scale: all hit after the first
     outs = [torch.zeros(t.shape, device="cuda") for t in tensors]
     for i, (scale, accumulate) in enumerate([(1.0, False), (1.0, True), (0.25, True), (2.0, False)]):
