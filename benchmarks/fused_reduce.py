@@ -9,7 +9,10 @@ bucket round trip, without the collective itself:
 * reference: ``deepspeed_multi.ops.reference`` pack + unpack_accumulate (pure PyTorch);
 * fused:     the C++ extension's pack + unpack_accumulate (flags included);
 * fused-mem: (CUDA) the same with every tensor table through device memory, none in the launch's
-             arguments (the baseline of the small-table path);
+             arguments (the baseline of the small-table path; those tables are cached as fused's are);
+* fused-nocache: (CUDA) fused with the table cache off: every call writes its tensor table to pinned
+             memory and copies it to the device (the baseline of the cache: fused reuses the device
+             table of a call on the same tensors, as a training step's second and later calls are);
 * copy:      ``dst.copy_(src)`` moving the same number of bytes (the memory-bandwidth limit).
 
 Then ZeRO-3's reduce-scatter input: DeepSpeed's per-tensor slicing, interleaved ``cat`` and
@@ -19,7 +22,8 @@ Bytes counted = read + written by the ideal fused round trip: grads read, bucket
 read, fp32 partitions read and written. Reports the median of several repetitions after
 warm-up, prints a table, writes benchmarks/results/fused_reduce.json (+ .png if matplotlib is
 installed) and ends with ``RESULT fused_vs_unfused=<x> fused_vs_copy=<y> scatter_input_vs_deepspeed=<z>``
-for the largest bucket with at least 1000 tensors (and the 1000-tensor scatter input).
+for the largest bucket with at least 1000 tensors (and the 1000-tensor scatter input); on CUDA also
+``fused_vs_nocache=<wall ms with the table cache off / on>`` for the 4,096-tensor 16 MB bucket.
 
 Usage: python benchmarks/fused_reduce.py [--quick] [--dtype bf16|fp16|fp32] [--world-size 8] [--device cuda]
 """
@@ -100,6 +104,19 @@ def fused_table_in_memory(ext):
     return run
 
 
+def fused_without_table_cache(ext):
+    fused = fused_with(ext)
+
+    def run(*args):
+        previous = ext.set_cuda_table_cache(0)
+        try:
+            return fused(*args)
+        finally:
+            ext.set_cuda_table_cache(previous)
+
+    return run
+
+
 def _sync():
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
@@ -165,12 +182,12 @@ def bench_bucket(n_tensors, nbytes, dtype, methods, world_size, reps):
 
 def print_table(rows):
     gpu = "device_ms" in rows[0]
-    header = f"{'tensors':>7} {'bucket MB':>9} {'method':>9} {'ms':>9} {'GB/s':>7} {'x unfused':>9} {'of copy':>7}"
+    header = f"{'tensors':>7} {'bucket MB':>9} {'method':>13} {'ms':>9} {'GB/s':>7} {'x unfused':>9} {'of copy':>7}"
     header += f" {'GPU ms':>9} {'GPU of copy':>11}" if gpu else ""
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['tensors']:>7} {r['bucket_mb']:>9.0f} {r['method']:>9} {r['ms']:>9.3f} {r['gb_per_s']:>7.2f} "
+        print(f"{r['tensors']:>7} {r['bucket_mb']:>9.0f} {r['method']:>13} {r['ms']:>9.3f} {r['gb_per_s']:>7.2f} "
               f"{r['speedup_vs_unfused']:>9.2f} {r['fraction_of_copy']:>7.2f}" +
               (f" {r['device_ms']:>9.3f} {r['device_fraction_of_copy']:>11.2f}" if gpu else ""))
     if gpu:
@@ -257,6 +274,7 @@ def main():
     methods = {"unfused": unfused, "reference": fused_with(reference), "fused": fused_with(ext)}
     if DEVICE.type == "cuda":
         methods["fused-mem"] = fused_table_in_memory(ext)
+        methods["fused-nocache"] = fused_without_table_cache(ext)
     rows = []
     for n_tensors, nbytes in QUICK if args.quick else FULL:
         reps = 3 if args.quick else (5 if nbytes >= 64 * MB else 15)
@@ -277,6 +295,9 @@ def main():
     many = [r for r in rows if r["tensors"] >= 1000 and r["method"] == "fused"]
     key = max(many, key=lambda r: (r["bucket_mb"], r["tensors"]))
     device = f" fused_vs_copy_gpu={key['device_fraction_of_copy']:.2f}" if "device_ms" in key else ""
+    by = {r["method"]: r for r in rows if (r["tensors"], r["bucket_mb"]) == (4096, 16)}
+    if "fused-nocache" in by:
+        device += f" fused_vs_nocache={by['fused-nocache']['ms'] / by['fused']['ms']:.2f}"
     print(f"RESULT fused_vs_unfused={key['speedup_vs_unfused']:.2f} fused_vs_copy={key['fraction_of_copy']:.2f}{device} "
           f"scatter_input_vs_deepspeed={scatter[1]['speedup']:.2f}")
 

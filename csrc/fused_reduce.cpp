@@ -16,12 +16,14 @@
 // fused_reduce_cuda.cu.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -398,31 +400,140 @@ int64_t set_cuda_inline_tensors(int64_t n) {
   return previous;
 }
 
+// The device tables of recent calls, for reuse by a call whose table words are the same
+// ([Note: the tensor table], "Reusing a table"). Entries are most recently used first. Guarded by
+// its mutex (the GIL is held in run_cuda today; the mutex costs nothing uncontended and does not
+// rely on that).
+struct TableCache {
+  struct Entry {
+    int device;
+    void* stream;
+    int in_code, out_code;
+    uint64_t hash;               // of words: finds candidates; equality is decided by the words
+    std::vector<int64_t> words;  // the host words, compared exactly
+    at::Tensor table;            // their device copy, allocated and copied on `stream`
+  };
+  std::mutex mutex;
+  std::vector<Entry> entries;
+  int64_t capacity = 16;
+  int64_t hits = 0, misses = 0;
+  int64_t full_misses = 0;  // misses that found the cache full: every 8th enters as most recent
+  std::vector<int64_t> scratch;  // the words being built; kept to avoid an allocation per call
+};
+
+// Never destroyed: its entries hold device tensors, which must not be freed by a static
+// destructor after the CUDA runtime has shut down at process exit.
+TableCache& table_cache() {
+  static TableCache* cache = new TableCache();
+  return *cache;
+}
+
+int64_t set_cuda_table_cache(int64_t n) {
+  TableCache& cache = table_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  const int64_t previous = cache.capacity;
+  if (n < 0 || n > 1024) {
+    throw py::value_error("deepspeed_multi fused_reduce: set_cuda_table_cache(" + std::to_string(n) +
+                          "): expected 0..1024 (the number of device tables kept; 0 turns the cache off)");
+  }
+  cache.capacity = n;
+  if (static_cast<int64_t>(cache.entries.size()) > n) cache.entries.resize(static_cast<size_t>(n));
+  return previous;
+}
+
+py::dict cuda_table_cache_stats() {
+  TableCache& cache = table_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  int64_t bytes = 0;
+  for (const TableCache::Entry& e : cache.entries) bytes += 2 * static_cast<int64_t>(e.words.size() * sizeof(int64_t));
+  py::dict stats;
+  stats["hits"] = cache.hits;
+  stats["misses"] = cache.misses;
+  stats["entries"] = static_cast<int64_t>(cache.entries.size());
+  stats["capacity"] = cache.capacity;
+  stats["bytes"] = bytes;  // host words + their device copies
+  return stats;
+}
+
+void throw_cuda(const char* what, int err) {  // not TORCH_CHECK: its message is formatted with iostreams (see ints_str)
+  throw std::runtime_error(std::string("deepspeed_multi fused_reduce: ") + what + " failed with cudaError " +
+                           std::to_string(err));
+}
+
+// The device table for `words` (TensorTable<2>, count segments) on `stream`: a cached copy whose
+// words are equal, or a new copy through pinned memory (then cached, unless the cache is off or the
+// stream is being captured into a CUDA graph, whose replays would read a table the cache may
+// since have freed). Returns its device pointer; `keep` holds a new copy until the launch is queued.
+const int64_t* device_table(TableCache& cache, const std::vector<int64_t>& words, uint64_t hash, int in_code,
+                            int out_code, const at::Device& device, void* stream, at::Tensor& keep) {
+  const int index = device.index();
+  bool use_cache = cache.capacity > 0;
+  if (use_cache) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
+    if (err != cudaSuccess) throw_cuda("cudaStreamIsCapturing", static_cast<int>(err));
+    use_cache = capture == cudaStreamCaptureStatusNone;
+  }
+  auto& entries = cache.entries;
+  if (use_cache) {
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const TableCache::Entry& e = entries[i];
+      if (e.hash != hash || e.device != index || e.stream != stream || e.in_code != in_code ||
+          e.out_code != out_code || e.words.size() != words.size() ||
+          std::memcmp(e.words.data(), words.data(), words.size() * sizeof(int64_t)) != 0) {
+        continue;
+      }
+      ++cache.hits;
+      std::rotate(entries.begin(), entries.begin() + i, entries.begin() + i + 1);  // most recent first
+      return entries.front().table.data_ptr<int64_t>();
+    }
+    ++cache.misses;
+  }
+  // Pinned, so that the copy is asynchronous (the caching host allocator keeps the block until that
+  // copy has run: non_blocking records an event on the stream).
+  at::Tensor host = at::empty({static_cast<int64_t>(words.size())},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(host.data_ptr<int64_t>(), words.data(), words.size() * sizeof(int64_t));
+  keep = host.to(device, /*non_blocking=*/true);
+  if (use_cache) {
+    TableCache::Entry entry{index, stream, in_code, out_code, hash, words, keep};
+    if (static_cast<int64_t>(entries.size()) < cache.capacity) {
+      entries.insert(entries.begin(), std::move(entry));
+    } else {
+      // Full: the new table replaces the least recently used one and stays least recent (the next
+      // miss replaces it) unless it is hit first, except every 8th, which enters as most recent. So
+      // a step that cycles through more tables than the cache holds still hits on capacity - 1 of
+      // them (plain LRU would miss on every one), and a cache full of tables no longer used (another
+      // model, new buckets) still turns over, within about 8 * capacity misses.
+      entries.back() = std::move(entry);
+      if (++cache.full_misses % 8 == 0) std::rotate(entries.begin(), entries.end() - 1, entries.end());
+    }
+  }
+  return keep.data_ptr<int64_t>();
+}
+
 at::Tensor run_cuda(const Plan& plan, float scale, bool accumulate, const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
-  at::Tensor flag = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  // The flag, zeroed by a memset on the stream: at::zeros would dispatch a fill kernel through
+  // TensorIterator, several microseconds of host time per call.
+  at::Tensor flag = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  const cudaError_t set = cudaMemsetAsync(flag.data_ptr<float>(), 0, sizeof(float), static_cast<cudaStream_t>(stream));
+  if (set != cudaSuccess) throw_cuda("cudaMemsetAsync of the flag", static_cast<int>(set));
   int64_t per_pair[kNumCodes * kNumCodes] = {};
   for (const Segment& s : plan.segments) ++per_pair[s.in_code * kNumCodes + s.out_code];
+  TableCache& cache = table_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  std::vector<int64_t>& words = cache.scratch;
   // One table and one launch per (src dtype, dst dtype) pair present ([Note: the tensor table]).
   for (int pair = 0; pair < kNumCodes * kNumCodes; ++pair) {
     const int64_t count = per_pair[pair];
     if (count == 0) continue;
     const int in_code = pair / kNumCodes, out_code = pair % kNumCodes;
-    // A small table goes in the launch's arguments; a large one is written to pinned memory, so that
-    // the copy below is asynchronous (the caching host allocator keeps the block until that copy has
-    // run: non_blocking records an event on the stream).
-    const bool on_host = count <= inline_tensors();
-    std::vector<int64_t> small;
-    at::Tensor host;
-    if (on_host) {
-      small.resize(4 * count + 1);
-    } else {
-      host = at::empty({4 * count + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    }
-    int64_t* words = on_host ? small.data() : host.data_ptr<int64_t>();
-    int64_t* first = words + 3 * count;
+    words.resize(static_cast<size_t>(4 * count + 1));
+    int64_t* first = words.data() + 3 * count;
     int64_t k = 0;
+    uint64_t hash = static_cast<uint64_t>(count);
     first[0] = 0;
     for (const Segment& s : plan.segments) {
       if (s.in_code != in_code || s.out_code != out_code) continue;
@@ -430,17 +541,21 @@ at::Tensor run_cuda(const Plan& plan, float scale, bool accumulate, const at::De
       words[count + k] = reinterpret_cast<int64_t>(s.dst);
       words[2 * count + k] = s.numel;
       first[k + 1] = first[k] + (s.numel + kCudaChunk - 1) / kCudaChunk;
+      // A sum, not a chain of multiplies, so that it costs no latency per segment; collisions only
+      // cost a comparison of words.
+      hash += reinterpret_cast<uintptr_t>(s.src) * 0x9e3779b97f4a7c15ull ^
+              reinterpret_cast<uintptr_t>(s.dst) * 0xc2b2ae3d27d4eb4full ^ static_cast<uint64_t>(s.numel);
       ++k;
     }
-    at::Tensor table;  // TensorTable<2>: 4 * count + 1 words
-    if (!on_host) table = host.to(device, /*non_blocking=*/true);
-    const int err = dsm_cuda_scale_table(in_code, out_code, accumulate, on_host ? words : table.data_ptr<int64_t>(),
-                                         on_host, count, first[count], kCudaChunk, scale, flag.data_ptr<float>(),
-                                         stream);
-    if (err != 0) {  // not TORCH_CHECK: its message is formatted with iostreams (see ints_str)
-      throw std::runtime_error("deepspeed_multi fused_reduce: CUDA kernel launch failed with cudaError " +
-                               std::to_string(err));
-    }
+    // A small table goes in the launch's arguments (no copy, nothing to cache); a large one through
+    // device memory, reused from the cache where a recent call had the same words.
+    const bool on_host = count <= inline_tensors();
+    at::Tensor keep;
+    const int64_t* table = on_host ? words.data()
+                                   : device_table(cache, words, hash, in_code, out_code, device, stream, keep);
+    const int err = dsm_cuda_scale_table(in_code, out_code, accumulate, table, on_host, count, first[count],
+                                         kCudaChunk, scale, flag.data_ptr<float>(), stream);
+    if (err != 0) throw_cuda("CUDA kernel launch", err);
   }
   return flag;
 }
@@ -531,8 +646,42 @@ void check_fits(const char* op, const Arg& name, const at::Tensor& t, int64_t of
   }
 }
 
-at::Tensor pack(const std::vector<at::Tensor>& tensors, const at::Tensor& out, double scale) {
+// The tensor-list arguments, read from the Python sequence without pybind's std::vector<at::Tensor>
+// caster: that caster cost about 70 ns a tensor (an at::Tensor copy, so an atomic reference count
+// up and down, and a sequence item fetch, per element), 280 us of a 4,096-tensor call whose checks
+// and CPU kernel took 170 us (x86-64 CPU, tiny tensors); this costs about 3 ns a tensor. The tuple
+// holds a reference to every tensor for the call, so a list that another thread changes while run()
+// has released the GIL cannot free one under the kernel. Accepts what the caster accepted: any
+// sequence but str/bytes.
+class TensorList {
+ public:
+  TensorList(const char* op, const char* name, const py::handle& seq) {
+    PyObject* obj = seq.ptr();
+    if (!PySequence_Check(obj) || PyUnicode_Check(obj) || PyBytes_Check(obj)) {
+      throw py::type_error(std::string(op) + ": " + name + " must be a list or tuple of tensors, got " +
+                           Py_TYPE(obj)->tp_name);
+    }
+    items_ = py::reinterpret_steal<py::tuple>(PySequence_Tuple(obj));
+    if (!items_) throw py::error_already_set();
+    for (size_t i = 0; i < size(); ++i) {
+      PyObject* item = PyTuple_GET_ITEM(items_.ptr(), i);
+      if (!THPVariable_Check(item)) {
+        throw py::type_error(std::string(op) + ": " + name + "[" + std::to_string(i) + "] is a " +
+                             Py_TYPE(item)->tp_name + ", not a torch.Tensor; pass a list of tensors");
+      }
+    }
+  }
+  size_t size() const { return static_cast<size_t>(PyTuple_GET_SIZE(items_.ptr())); }
+  // The tensor the i-th Python object wraps (a reference into that object, which items_ keeps alive).
+  const at::Tensor& operator[](size_t i) const { return THPVariable_Unpack(PyTuple_GET_ITEM(items_.ptr(), i)); }
+
+ private:
+  py::tuple items_;
+};
+
+at::Tensor pack(const py::handle& tensor_seq, const at::Tensor& out, double scale) {
   constexpr const char* op = "pack";
+  const TensorList tensors(op, "tensors", tensor_seq);
   const Arg out_arg{"out", -1};
   check_flat(op, out_arg, out);
   const int out_code = checked_code(op, out_arg, out);
@@ -554,9 +703,9 @@ at::Tensor pack(const std::vector<at::Tensor>& tensors, const at::Tensor& out, d
   return run(plan, static_cast<float>(scale), /*accumulate=*/false, out.device());
 }
 
-at::Tensor unpack_accumulate(const at::Tensor& src, const std::vector<at::Tensor>& outs, double scale,
-                             bool accumulate) {
+at::Tensor unpack_accumulate(const at::Tensor& src, const py::handle& out_seq, double scale, bool accumulate) {
   constexpr const char* op = "unpack_accumulate";
+  const TensorList outs(op, "outs", out_seq);
   const Arg src_arg{"src", -1};
   check_flat(op, src_arg, src);
   const int in_code = checked_code(op, src_arg, src);
@@ -579,13 +728,13 @@ at::Tensor unpack_accumulate(const at::Tensor& src, const std::vector<at::Tensor
   return run(plan, static_cast<float>(scale), accumulate, src.device());
 }
 
-at::Tensor pack_partitions(const std::vector<at::Tensor>& tensors, const at::Tensor& out, int64_t world,
-                           double scale) {
+at::Tensor pack_partitions(const py::handle& tensor_seq, const at::Tensor& out, int64_t world, double scale) {
   // ZeRO-3's interleaved reduce-scatter input in one pass: rank r's block of out holds, for each
   // tensor i, its r-th chunk of c_i = ceil(n_i / world) elements at offset sum_{j<i} c_j; the
   // blocks are P = sum_i c_i long. A chunk shorter than c_i (the tail of a tensor whose numel is
   // not a multiple of world) leaves its padding untouched.
   constexpr const char* op = "pack_partitions";
+  const TensorList tensors(op, "tensors", tensor_seq);
   const Arg out_arg{"out", -1};
   check_flat(op, out_arg, out);
   const int out_code = checked_code(op, out_arg, out);
@@ -654,6 +803,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_cuda_inline_tensors", &set_cuda_inline_tensors,
         "Tables of up to n segments go in the launch's arguments (0: all through device memory); "
         "returns the previous n.", py::arg("n"));
+  m.def("set_cuda_table_cache", &set_cuda_table_cache,
+        "Keep the device tables of the last n calls' large tables for reuse by a call with the same table "
+        "(0: off, every call copies its table); returns the previous n.", py::arg("n"));
+  m.def("cuda_table_cache_stats", &cuda_table_cache_stats,
+        "The table cache's counters: hits, misses, entries, capacity, bytes (host + device).");
 #else
   m.attr("has_cuda") = false;
 #endif

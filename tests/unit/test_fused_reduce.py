@@ -226,6 +226,209 @@ def test_cuda_tables_by_value_and_in_memory(ext, extra):
             assert ext.set_cuda_inline_tensors(previous) == inline
 
 
+def test_tensor_lists_accept_lists_and_tuples_and_refuse_other_things(ext):
+    """The lists are read from the Python sequence directly (not through pybind's caster): a tuple
+    works as a list does, a non-tensor element or a non-sequence is a TypeError that names it."""
+    tensors = [torch.randn(5), torch.randn(3)]
+    out, expected = torch.zeros(8), torch.zeros(8)
+    ext.pack(tuple(tensors), out, SCALE)
+    ref.pack(tensors, expected, SCALE)
+    same(out, expected)
+    outs = (torch.zeros(5), torch.zeros(3))
+    ext.unpack_accumulate(out, outs, 2.0, False)
+    same(torch.cat(outs), out * 2.0)
+    with pytest.raises(TypeError, match=r"pack: tensors\[1\] is a int, not a torch.Tensor"):
+        ext.pack([tensors[0], 3], out, 1.0)
+    with pytest.raises(TypeError, match=r"unpack_accumulate: outs\[0\] is a NoneType, not a torch.Tensor"):
+        ext.unpack_accumulate(out, [None], 1.0, True)
+    with pytest.raises(TypeError, match=r"pack_partitions: tensors must be a list or tuple of tensors, got str"):
+        ext.pack_partitions("ab", out, 2, 1.0)
+    with pytest.raises(TypeError, match=r"pack: tensors must be a list or tuple of tensors, got Tensor"):
+        ext.pack(torch.randn(2), out, 1.0)  # a tensor is not a sequence to pybind either
+
+
+# ------------------------------------------------------------------ the CUDA table cache
+def cache_counts(ext):
+    stats = ext.cuda_table_cache_stats()
+    return stats["hits"], stats["misses"]
+
+
+def counted(ext, fn):
+    """(hits, misses) of the table cache during fn()."""
+    hits, misses = cache_counts(ext)
+    fn()
+    torch.cuda.synchronize()
+    after = cache_counts(ext)
+    return after[0] - hits, after[1] - misses
+
+
+@pytest.fixture
+def table_cache(ext):
+    """The CUDA table cache on (16 tables), restored afterwards."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert ext.has_cuda, "extension was built without CUDA kernels"
+    previous = ext.set_cuda_table_cache(0)  # empty: no table of an earlier test can hit
+    ext.set_cuda_table_cache(16)
+    yield ext
+    ext.set_cuda_table_cache(previous)
+
+
+def cache_bucket(ext, count, dtype=torch.bfloat16, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [SIZES[(5 * i + 1) % len(SIZES)] or 1 for i in range(count)]
+    return [randn(n, dtype, gen=gen).cuda() for n in sizes]
+
+
+def test_cuda_table_cache_hits_on_the_same_tensors_and_is_bit_identical(table_cache):
+    """A second call on the same tensors (new values in them, another scale) reuses the table and
+    writes what the reference and a run with the cache off write."""
+    ext = table_cache
+    tensors = cache_bucket(ext, 3 * ext.cuda_inline_tensors)
+    total = sum(t.numel() for t in tensors)
+    out = torch.full((total + 3,), 7.0, device="cuda")
+    assert counted(ext, lambda: ext.pack(tensors, out, SCALE)) == (0, 1)
+    for scale in (SCALE, 0.5, 1.0):
+        for t in tensors:
+            t.mul_(-3)  # new values at the same addresses: a stale copy of the values would show
+        out.fill_(7.0)
+        flag = torch.empty(())
+        assert counted(ext, lambda: flag.copy_(ext.pack(tensors, out, scale))) == (1, 0)
+        expected = torch.full_like(out, 7.0)
+        expected_flag = ref.pack(tensors, expected, scale)
+        same(out, expected)
+        assert flag.item() == expected_flag.item()
+    previous = ext.set_cuda_table_cache(0)  # off (and emptied)
+    try:
+        off = torch.full_like(out, 7.0)
+        assert counted(ext, lambda: ext.pack(tensors, off, 1.0)) == (0, 0)
+    finally:
+        ext.set_cuda_table_cache(previous)
+    same(out, off)
+    # unpack on the same table words with assign, then accumulate, then another scale: all hit after the first
+    outs = [torch.zeros(t.shape, device="cuda") for t in tensors]
+    for i, (scale, accumulate) in enumerate([(1.0, False), (1.0, True), (0.25, True), (2.0, False)]):
+        expected = [o.clone() for o in outs]
+        want = (0, 1) if i == 0 else (1, 0)
+        assert counted(ext, lambda: ext.unpack_accumulate(out, outs, scale, accumulate)) == want
+        ref.unpack_accumulate(out, expected, scale, accumulate)
+        for o, e in zip(outs, expected):
+            same(o, e)
+
+
+def test_cuda_table_cache_misses_when_a_tensor_is_replaced(table_cache):
+    """One tensor of the list replaced by another of the same size (the old one still alive, so at
+    another address): a miss, the new tensor is read (pack) or written (unpack), the old one untouched."""
+    ext = table_cache
+    tensors = cache_bucket(ext, 2 * ext.cuda_inline_tensors, torch.float32)
+    total = sum(t.numel() for t in tensors)
+    out = torch.zeros(total, device="cuda")
+    ext.pack(tensors, out, 1.0)
+    assert counted(ext, lambda: ext.pack(tensors, out, 1.0)) == (1, 0)
+    i = len(tensors) - 5
+    old = tensors[i]
+    replaced = list(tensors)
+    replaced[i] = torch.randn(old.numel(), device="cuda") + 100.0
+    assert replaced[i].data_ptr() != old.data_ptr()
+    assert counted(ext, lambda: ext.pack(replaced, out, 1.0)) == (0, 1)
+    same(out, torch.cat(replaced))
+    # unpack: a stale table would write into the old tensor
+    outs = [torch.zeros(t.shape, device="cuda") for t in tensors]
+    ext.unpack_accumulate(out, outs, 1.0, False)
+    assert counted(ext, lambda: ext.unpack_accumulate(out, outs, 1.0, False)) == (1, 0)
+    old_out, kept = outs[i], outs[i].clone()
+    new_outs = list(outs)
+    new_outs[i] = torch.full(old_out.shape, -1.0, device="cuda")
+    out.add_(1.0)
+    assert counted(ext, lambda: ext.unpack_accumulate(out, new_outs, 1.0, False)) == (0, 1)
+    same(old_out, kept)
+    same(torch.cat(new_outs), out)
+    # the original list again: still cached (two different tables)
+    assert counted(ext, lambda: ext.unpack_accumulate(out, outs, 1.0, False)) == (1, 0)
+    same(torch.cat(outs), out)
+
+
+def test_cuda_table_cache_is_per_stream(table_cache):
+    """The same tensors on another stream: a table of that stream's own (its copy was queued there),
+    then hits there; results right on both."""
+    ext = table_cache
+    tensors = cache_bucket(ext, 2 * ext.cuda_inline_tensors + 1, torch.float16)
+    total = sum(t.numel() for t in tensors)
+    out = torch.zeros(total, device="cuda")
+    expected = torch.zeros(total, device="cuda")
+    ref.pack(tensors, expected, SCALE)
+    ext.pack(tensors, out, SCALE)
+    side = torch.cuda.Stream()
+    side_out = torch.zeros(total, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+
+    def on_side():
+        with torch.cuda.stream(side):
+            side_out.zero_()
+            ext.pack(tensors, side_out, SCALE)
+
+    assert counted(ext, on_side) == (0, 1)
+    assert counted(ext, on_side) == (1, 0)
+    torch.cuda.current_stream().wait_stream(side)
+    same(side_out, expected)
+    out.zero_()
+    assert counted(ext, lambda: ext.pack(tensors, out, SCALE)) == (1, 0)
+    same(out, expected)
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1], ids=lambda e: f"inline{e:+d}")
+def test_cuda_table_cache_around_the_inline_size(table_cache, extra):
+    """Tables that go in the launch's arguments have no copy to cache; larger ones are cached, and
+    with set_cuda_inline_tensors(0) the small ones too."""
+    ext = table_cache
+    count = ext.cuda_inline_tensors + extra
+    tensors = cache_bucket(ext, count, seed=200 + count)
+    total = sum(t.numel() for t in tensors)
+    out = torch.zeros(total, device="cuda")
+    expected = torch.zeros(total, device="cuda")
+    ref.pack(tensors, expected, SCALE)
+    cached = count > ext.cuda_inline_tensors
+    assert counted(ext, lambda: ext.pack(tensors, out, SCALE)) == (0, int(cached))
+    assert counted(ext, lambda: ext.pack(tensors, out, SCALE)) == (int(cached), 0)
+    same(out, expected)
+    previous = ext.set_cuda_inline_tensors(0)
+    try:
+        out.zero_()
+        first = counted(ext, lambda: ext.pack(tensors, out, SCALE))
+        assert first == ((1, 0) if cached else (0, 1))
+        assert counted(ext, lambda: ext.pack(tensors, out, SCALE)) == (1, 0)
+        same(out, expected)
+    finally:
+        ext.set_cuda_inline_tensors(previous)
+
+
+def test_cuda_table_cache_holds_capacity_tables_and_survives_a_longer_cycle(table_cache):
+    """A cycle over more tables than the cache holds still hits on most of them (plain LRU would
+    miss on every one); the cache never holds more than its capacity; set_cuda_table_cache checks n."""
+    ext = table_cache
+    ext.set_cuda_table_cache(0)
+    ext.set_cuda_table_cache(4)
+    buckets = [cache_bucket(ext, 40, torch.float32, seed=300 + b) for b in range(5)]
+    outs = [torch.zeros(sum(t.numel() for t in b), device="cuda") for b in buckets]
+
+    def cycle():
+        for b, o in zip(buckets, outs):
+            ext.pack(b, o, 1.0)
+
+    counted(ext, cycle)
+    hits, misses = counted(ext, lambda: [cycle() for _ in range(10)])
+    assert hits + misses == 50 and hits >= 25, (hits, misses)
+    stats = ext.cuda_table_cache_stats()
+    assert stats["entries"] == 4 and stats["capacity"] == 4
+    assert stats["bytes"] == 2 * 8 * sum(4 * 40 + 1 for _ in range(4))
+    for b, o in zip(buckets, outs):
+        same(o, torch.cat(b))
+    with pytest.raises(ValueError, match=r"set_cuda_table_cache\(-1\): expected 0..1024"):
+        ext.set_cuda_table_cache(-1)
+    assert ext.set_cuda_table_cache(0) == 4
+    assert ext.cuda_table_cache_stats()["entries"] == 0
+
+
 # ------------------------------------------------------------------ pack_partitions
 def deepspeed_interleave(tensors, world, dtype=torch.float32):
     """The flat input DeepSpeed's reduce_scatter_coalesced builds (its cat, before the divide),
