@@ -106,9 +106,13 @@ for phase in $PHASES; do
         ${MEMORY_VARIANTS:+--variants "$MEMORY_VARIANTS"}
       ;;
     trainer)
-      step trainer_tests "${TRAINER_SECONDS:-330}" env DSM_TEST_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
-        "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rA --durations=20" tests/multi_gpu/test_trainer.py \
-        tests/multi_gpu/test_parts.py ${TRAINER_K:+-k "$TRAINER_K"}
+      # -v: each test's outcome is in the log as it ends, so a step cut at its deadline still says what passed.
+      step trainer_tests "${TRAINER_SECONDS:-240}" env DSM_TEST_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+        "$PY" -m pytest -v -p no:cacheprovider -o addopts="-rA --durations=20" tests/multi_gpu/test_trainer.py \
+        ${TRAINER_K:+-k "$TRAINER_K"}
+      step parts_tests "${PARTS_SECONDS:-150}" env DSM_TEST_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+        "$PY" -m pytest -v -p no:cacheprovider -o addopts="-rA --durations=20" tests/multi_gpu/test_parts.py \
+        -k "${PARTS_K:-trainer or run_stages}"
       ;;
     llama)
       step llama "${LLAMA_SECONDS:-300}" "$PY" benchmarks/llama_gpu.py --rounds "${LLAMA_ROUNDS:-2}" --trace \
