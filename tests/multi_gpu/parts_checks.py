@@ -520,7 +520,7 @@ def trainer_parts_vs_ddp(gas=2):
     trainer.save_model(os.path.join(out, "final"))
     dist.barrier()
     loaded = LlavaForConditionalGeneration.from_pretrained(os.path.join(out, "final"))
-    err = max((p.float() - weights[n]).abs().max().item() for n, p in loaded.named_parameters())
+    err = max((p.float() - weights[n].cpu()).abs().max().item() for n, p in loaded.named_parameters())  # loaded on CPU
     assert err == 0, f"save_model -> from_pretrained differs from the trained weights by {err:.3e}"
     resumed, rweights, _ = run_llava_trainer(MultiTrainer, gas, deepspeed=cfg, out=out,
                                              resume=os.path.join(out, "checkpoint-2"))

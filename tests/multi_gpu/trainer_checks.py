@@ -268,7 +268,7 @@ def save_resume_and_from_pretrained(stage, gas=2):
     trainer.save_model(os.path.join(out, "final"))
     dist.barrier()
     loaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
-    err = max((p.float() - weights[n]).abs().max().item() for n, p in loaded.named_parameters())
+    err = max((p.float() - weights[n].cpu()).abs().max().item() for n, p in loaded.named_parameters())  # loaded on CPU
     assert err == 0, f"ZeRO-{stage}: save_model -> from_pretrained differs from the trained weights by {err:.3e}"
     compare((whole, weights), run_trainer(Trainer, gas, 0.5, **ACROSS_EPOCHS)[:2], f"ZeRO-{stage}, 8 updates")
     for step in (2, 5):
@@ -603,7 +603,12 @@ def fp16_skips_like_ddp_grad_scaler(stage=2, gas=1, scale_power=24):
     loss scale with the GradScaler's rules: halve on overflow, double after 2,000 clean updates) and with the
     DDP Trainer, both starting at a loss scale of 2**scale_power that overflows for the first updates. At
     every step ``optimizer_step_was_skipped`` and the learning rate must be the same in both runs; the
-    losses agree as fp16 training allows (the DDP run keeps fp32 weights under autocast, ours fp16 ones)."""
+    losses agree as fp16 training allows (the DDP run keeps fp32 weights under autocast, ours fp16 ones).
+
+    Both runs use the unfused AdamW (``optim="adamw_torch"``). With Transformers' default on CUDA, the fused
+    AdamW, the GradScaler hands the overflow to the optimizer, which skips inside its kernel: Accelerate
+    then reports the step as applied and the DDP Trainer advances its schedule on skipped updates
+    (huggingface/accelerate#4242; measured on an H100: 7 skipped updates, all reported as applied)."""
     import torch
     from transformers import Trainer, TrainerCallback
 
@@ -620,7 +625,8 @@ def fp16_skips_like_ddp_grad_scaler(stage=2, gas=1, scale_power=24):
                 seen.append(trainer.accelerator.optimizer_step_was_skipped)
 
         _fresh_process_state()
-        trainer = cls(model=causal_lm(), args=_args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), fp16=True),
+        trainer = cls(model=causal_lm(), args=_args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), fp16=True,
+                                                   optim="adamw_torch"),
                       train_dataset=TokenData(), callbacks=[Record()])
         if deepspeed is None:
             assert trainer.accelerator.scaler is not None, "the DDP reference must run with a GradScaler"
