@@ -25,7 +25,7 @@ OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_accelerate.p
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi test-deepspeed-suite demo bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi test-deepspeed-suite demo bench test-bench fuzz clean
 
 setup: $(STAMP)
 
@@ -111,6 +111,10 @@ fuzz: setup
 QUICK ?= 0
 bench: setup
 	QUICK=$(QUICK) PYTHON=$(PY) bash benchmarks/run_all.sh
+
+# make bench QUICK=1 end to end and the renderer over its results (tests/bench_quick.py; about 5 minutes).
+test-bench: setup
+	DS_ACCELERATOR=cpu $(PY) -m pytest -s tests/bench_quick.py
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) build *.egg-info

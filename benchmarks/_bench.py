@@ -363,3 +363,19 @@ def arg_parser(doc):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
     return ap
+
+
+def write_bench_time(path: str, total_s: str, quick: str, *timings: str) -> None:
+    """``_bench.py --write-time PATH TOTAL_S QUICK NAME=S...``: run_all.sh's record of how long it took, with
+    the machine line, for the report's "Machines and files" section."""
+    payload = {"meta": meta(quick=quick == "1"), "total_s": int(total_s),
+               "benchmarks": {name: int(s) for name, s in (t.split("=", 1) for t in timings)}}
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {_shown(Path(path).resolve())}: {int(total_s) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--write-time":
+        write_bench_time(*sys.argv[2:])
+    else:
+        raise SystemExit("usage: python benchmarks/_bench.py --write-time PATH TOTAL_S QUICK [NAME=SECONDS ...]")

@@ -629,7 +629,18 @@ class Report:
 
     def machines(self):
         self.section = "Machines and files"
-        self.out(f"## {self.section}", "", "Every result file this report read, with the machine line it holds:", "")
+        self.out(f"## {self.section}", "")
+        took = self.load("bench_time.json")
+        if took is None:
+            self.out("How long `make bench` takes: not measured (`bench_time.json` is not in these results).", "")
+        else:
+            m = took["meta"]
+            slow = sorted(took["benchmarks"].items(), key=lambda kv: -kv[1])[:3]
+            self.out(f"How long `make bench{' QUICK=1' if m.get('quick') else ''}` takes: "
+                     f"{self.fig(took['total_s'] / 60, '.1f')} min on {self.fig(m.get('cpu') or 'an unknown CPU')}, "
+                     f"{self.fig(m.get('cpus'), 'd')} cores ({self.fig(m.get('time'))}); the slowest: "
+                     + ", ".join(f"{name} {self.fig(sec / 60, '.1f')} min" for name, sec in slow) + ".", "")
+        self.out("Every result file this report read, with the machine line it holds:", "")
         rows = []
         files = sorted(self.results.glob("*.json")) + [f for card in self.cards()
                                                        for f in sorted((self.results / card).glob("*.json"))]

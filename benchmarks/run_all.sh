@@ -39,12 +39,15 @@ fi
 mkdir -p "$BENCH_RESULTS"
 summary="$BENCH_RESULTS/summary.txt"
 : > "$summary"
+bench_start=$(date +%s)
+timings=()  # name=seconds, for bench_time.json (how long this command takes, shown in the report)
 run() {  # run <log name> <script> [args...]
   local name=$1 script=$2; shift 2
   echo "=== benchmarks/$script.py $*"
   local start; start=$(date +%s)
   "$PY" "benchmarks/$script.py" "$@" | tee "$BENCH_RESULTS/$name.txt"
   echo "($name: $(( $(date +%s) - start )) s)"
+  timings+=("$name=$(( $(date +%s) - start ))")
   grep '^RESULT' "$BENCH_RESULTS/$name.txt" >> "$summary" || true
 }
 for b in overhead "${extras[@]}" two_engines distillation rlhf_step peers memory_breakdown parts growth counts dpo_roles; do
@@ -57,6 +60,8 @@ done
 run fused_reduce fused_reduce ${extra[fused_reduce]:-}
 # shellcheck disable=SC2086
 run fused_reduce_e2e fused_reduce_e2e ${extra[fused_reduce_e2e]:-}
+"$PY" benchmarks/_bench.py --write-time "$BENCH_RESULTS/bench_time.json" "$(( $(date +%s) - bench_start ))" \
+  "${QUICK:-0}" "${timings[@]}"
 "$PY" benchmarks/render_report.py --results "$BENCH_RESULTS" "${readme[@]}"
 echo "=== summary"
 cat "$summary"
