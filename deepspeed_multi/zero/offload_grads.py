@@ -84,6 +84,8 @@ def _finalize_once(self):
     if state.get("pending", True):
         state["pending"] = False
         return compat.original(self, _FINALIZE)()
+    # The copy ran already; the rest of DeepSpeed's finalize still applies: it marks the boundary for
+    # the readers step() calls (the same first statement as the original's).
     self.set_gradient_accumulation_boundary(True)
 
 
