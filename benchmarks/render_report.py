@@ -529,7 +529,7 @@ class Report:
     def llama_gpu(self):
         self.start("A Llama on one GPU: ours against upstream",
                    "a Llama built from a config, bf16, AdamW, one GPU, one rank (`llama_gpu.py`): one engine at "
-                   "ZeRO 1-3 with `loss.backward()`, and a ZeRO-2 student distilled from the same Llama as a frozen "
+                   "each ZeRO stage with `loss.backward()`, and a ZeRO-2 student distilled from the same Llama as a frozen "
                    "ZeRO-3 teacher; each variant in its own process, rounds alternating which runs first",
                    "upstream `deepspeed.initialize` + `engine.backward(loss)` in the same layouts",
                    "BENCH_WORLD_SIZE=1 python benchmarks/llama_gpu.py --rounds 2 --trace")
