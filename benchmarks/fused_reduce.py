@@ -91,28 +91,18 @@ def fused_with(impl):
     return run
 
 
-def fused_table_in_memory(ext):
+def fused_with_switch(ext, switch, value):
+    """The fused op with one of the extension's CUDA switches (``switch(value) -> previous``) set for each call:
+    ``set_cuda_inline_tensors(0)`` sends every table through device memory (fused-mem),
+    ``set_cuda_table_cache(0)`` builds and copies the table at every call (fused-nocache)."""
     fused = fused_with(ext)
 
     def run(*args):
-        previous = ext.set_cuda_inline_tensors(0)
+        previous = switch(value)
         try:
             return fused(*args)
         finally:
-            ext.set_cuda_inline_tensors(previous)
-
-    return run
-
-
-def fused_without_table_cache(ext):
-    fused = fused_with(ext)
-
-    def run(*args):
-        previous = ext.set_cuda_table_cache(0)
-        try:
-            return fused(*args)
-        finally:
-            ext.set_cuda_table_cache(previous)
+            switch(previous)
 
     return run
 
@@ -273,8 +263,8 @@ def main():
         sys.exit("--device cuda: the extension was built without its CUDA kernels (nvcc not found?)")
     methods = {"unfused": unfused, "reference": fused_with(reference), "fused": fused_with(ext)}
     if DEVICE.type == "cuda":
-        methods["fused-mem"] = fused_table_in_memory(ext)
-        methods["fused-nocache"] = fused_without_table_cache(ext)
+        methods["fused-mem"] = fused_with_switch(ext, ext.set_cuda_inline_tensors, 0)
+        methods["fused-nocache"] = fused_with_switch(ext, ext.set_cuda_table_cache, 0)
     rows = []
     for n_tensors, nbytes in QUICK if args.quick else FULL:
         reps = 3 if args.quick else (5 if nbytes >= 64 * MB else 15)
