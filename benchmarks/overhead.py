@@ -51,6 +51,11 @@ FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
             "cast_on_gather": {"config": {}, "env": {"DSM_ZERO3_CAST_ON_GATHER": "0"}}}
 
 
+# The interleaved timing run's deadline: a feature run (three variants, ZeRO 0-3, fp32 and bf16, 60 steps) takes
+# over 15 minutes on 2 loaded cores, so the launcher's default (900 s) cut it; a hang still ends at this one.
+TIMING_DEADLINE_S = 3600
+
+
 def _make(initialize, stage, dtype, model, **extra):
     return B.build_engine(initialize, model, B.ds_config(stage, dtype, micro_bs=MICRO_BS, **extra))
 
@@ -138,7 +143,7 @@ def main():
     dtypes = ["fp32"] if args.quick else ["fp32", "bf16"]
     rows, data = [], []
     configs = [(stage, dtype) for dtype in dtypes for stage in (1, 2, 3)]
-    timings = B.launch(timing, configs, args.warmup, args.steps)[0]
+    timings = B.launch(timing, configs, args.warmup, args.steps, timeout_s=TIMING_DEADLINE_S)[0]
     for stage, dtype in configs:
             t = timings[(stage, dtype)]
             up, ours = B.median(t["upstream"]), B.median(t["ours"])
@@ -183,7 +188,7 @@ def main():
 def feature_main(args, feature):
     """Ours with ``feature`` on (the default) vs off, ZeRO 1-3, beside the upstream baseline of the same run."""
     configs = [(stage, dtype) for dtype in args.dtypes for stage in (1, 2, 3)]
-    timings = B.launch(timing, configs, args.warmup, args.steps, feature)[0]
+    timings = B.launch(timing, configs, args.warmup, args.steps, feature, timeout_s=TIMING_DEADLINE_S)[0]
     rows, data = [], []
     for stage, dtype in configs:
         t = timings[(stage, dtype)]
