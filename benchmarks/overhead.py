@@ -52,7 +52,7 @@ FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
 
 
 # The interleaved timing run's deadline: a feature run (three variants interleaved, fp32 and bf16, 60 steps) took
-# over 15 minutes on 2 loaded cores, so the launcher's default (900 s) cut it; a hang still ends at this one.
+# over 15 minutes on 2 cores, so the launcher's default (900 s) cut it; a hang still ends at this one.
 TIMING_DEADLINE_S = 3600
 
 
