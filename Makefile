@@ -20,7 +20,8 @@ VENV_OLDEST ?= .venv-ds-oldest
 PY_OLDEST := $(VENV_OLDEST)/bin/python
 STAMP_OLDEST := $(VENV_OLDEST)/.installed
 # The correctness matrix's core groups (marked "core": tests/multi_gpu/scenarios.py, CORE), the Accelerate
-# loops, the resize resume (it runs DeepSpeed's converter), and the Trainer against DDP (with the oldest transformers; TRL runs on the newest only, to keep make test in budget).
+# loops, the resize resume (it runs DeepSpeed's converter), and the Trainer against DDP (with the oldest
+# transformers; TRL runs on the newest only, to keep make test in budget).
 OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_accelerate.py \
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer

@@ -29,6 +29,12 @@ README_END = "<!-- end of performance table -->"
 NUMBER = re.compile(r"(?<![\w.+/#])(?<![A-Za-z_]-)\d+(?:[.,]\d+)*")
 
 
+def sections(text: str) -> dict:
+    """Heading -> body of each '## ' section of a rendered report."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
 def numbers(text: str) -> list:
     """The numeric tokens of ``text`` outside code spans and link targets."""
     text = re.sub(r"`[^`]*`", "", text)

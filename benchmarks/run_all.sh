@@ -46,8 +46,9 @@ run() {  # run <log name> <script> [args...]
   echo "=== benchmarks/$script.py $*"
   local start; start=$(date +%s)
   "$PY" "benchmarks/$script.py" "$@" | tee "$BENCH_RESULTS/$name.txt"
-  echo "($name: $(( $(date +%s) - start )) s)"
-  timings+=("$name=$(( $(date +%s) - start ))")
+  local took=$(( $(date +%s) - start ))
+  echo "($name: $took s)"
+  timings+=("$name=$took")
   grep '^RESULT' "$BENCH_RESULTS/$name.txt" >> "$summary" || true
 }
 for b in overhead "${extras[@]}" two_engines distillation rlhf_step peers memory_breakdown parts growth counts dpo_roles; do

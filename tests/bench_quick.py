@@ -7,7 +7,6 @@ report has its section, every CPU claim holds figures read from that run's JSON 
 say "not measured" on a machine without one), and every number printed was read from a JSON file.
 """
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,11 +20,6 @@ QUICK = ROOT / "benchmarks" / "results" / "quick"
 GPU_ONLY = {"A Llama on one GPU: ours against upstream"}
 
 
-def sections(text):
-    parts = re.split(r"^## (.+)$", text, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
-
-
 def test_make_bench_quick_renders_every_section():
     started = time.monotonic()
     env = dict(os.environ, QUICK="1", PYTHON=sys.executable)
@@ -37,7 +31,7 @@ def test_make_bench_quick_renders_every_section():
     report = R.Report(QUICK, QUICK)
     text = report.render()
     assert text == (QUICK / "PERFORMANCE.md").read_text(), "the quick run's report is not the rendering of its results"
-    found = sections(text)
+    found = R.sections(text)
     for claim in R.CLAIMS:
         assert claim in found, f"no section {claim!r}"
         if claim not in GPU_ONLY:

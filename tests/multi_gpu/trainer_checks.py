@@ -609,7 +609,6 @@ def fp16_skips_like_ddp_grad_scaler(stage=2, gas=1, scale_power=24):
     AdamW, the GradScaler hands the overflow to the optimizer, which skips inside its kernel: Accelerate
     then reports the step as applied and the DDP Trainer advances its schedule on skipped updates
     (huggingface/accelerate#4242; measured on an H100: 7 skipped updates, all reported as applied)."""
-    import torch
     from transformers import Trainer, TrainerCallback
 
     from deepspeed_multi.transformers import Trainer as MultiTrainer

@@ -21,10 +21,7 @@ def report():
     return rep, text
 
 
-def sections(text):
-    """Heading -> body of each '## ' section."""
-    parts = re.split(r"^## (.+)$", text, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
+sections = R.sections
 
 
 def test_every_claim_has_its_section_with_figures(report):
