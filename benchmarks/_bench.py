@@ -297,6 +297,40 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def bf16_kernels() -> bool:
+    """Whether bf16 matmuls have kernels here: a GPU, or a CPU that oneDNN serves in bf16 (AVX512 and newer).
+    On an AVX2-only CPU PyTorch falls back to a scalar loop, tens of times an fp32 matmul (``matmul_ms``
+    measures it), so a bf16 step would time that loop, not the engines, and the full run would take hours."""
+    return bool(use_gpu(1) or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def dtypes_here(dtypes) -> list:
+    """``dtypes`` less bf16 where bf16 has no kernels (``BENCH_BF16=1`` keeps it); says what it left out."""
+    if "bf16" in dtypes and not bf16_kernels() and os.environ.get("BENCH_BF16") != "1":
+        print("bf16 left out: this CPU has no bf16 matmul kernels (BENCH_BF16=1 runs it anyway)", flush=True)
+        return [d for d in dtypes if d != "bf16"]
+    return list(dtypes)
+
+
+def matmul_ms(n: int = 512, reps: int = 3) -> dict:
+    """One thread's n x n matmul in fp32 and bf16 (ms, best of ``reps``): what bf16 costs on this machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {"n": n}
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            best = float("inf")
+            for _ in range(reps + 1):  # the first warms up
+                t0 = time.perf_counter()
+                a @ b
+                best = min(best, (time.perf_counter() - t0) * 1e3)
+            out[name] = best
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def meta(**extra) -> dict:
     import deepspeed
     return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version(),
@@ -368,7 +402,8 @@ def arg_parser(doc):
 def write_bench_time(path: str, total_s: str, quick: str, *timings: str) -> None:
     """``_bench.py --write-time PATH TOTAL_S QUICK NAME=S...``: run_all.sh's record of how long it took, with
     the machine line, for the report's "Machines and files" section."""
-    payload = {"meta": meta(quick=quick == "1"), "total_s": int(total_s),
+    payload = {"meta": meta(quick=quick == "1"), "total_s": int(total_s), "bf16_kernels": bf16_kernels(),
+               "matmul_ms": matmul_ms(),
                "benchmarks": {name: int(s) for name, s in (t.split("=", 1) for t in timings)}}
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {_shown(Path(path).resolve())}: {int(total_s) / 60:.1f} min")

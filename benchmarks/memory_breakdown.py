@@ -377,6 +377,7 @@ def main():
     ap.add_argument("--at-peak", action="store_true",
                     help="also list what each variant allocated in the step and still held at its peak, by operator")
     args = ap.parse_args()
+    args.dtypes = B.dtypes_here(args.dtypes)
     variants = [v for v in variants if v in args.variants or v == "FSDP2"]
     runs = [[B.launch(breakdown, s, v, dt)[0] for s in args.sizes for dt in args.dtypes for v in variants]
             for _ in range(args.repeat)]

@@ -175,6 +175,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.set_defaults(steps=10)
     args = ap.parse_args()
+    args.dtypes = B.dtypes_here(args.dtypes)
     t = B.launch(timing, args.sizes, args.dtypes, args.warmup, args.steps)[0]
     cases = [(s, dt) for s in args.sizes for dt in args.dtypes]
     mem = {} if args.no_memory else {(s, dt, v): B.launch(memory, s, dt, v, 2)[0] for s, dt in cases

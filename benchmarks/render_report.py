@@ -342,7 +342,7 @@ class Report:
     def parts(self):
         self.start("One model in parts: against whole-model ZeRO-3 and FSDP2",
                    "vision tower -> projector -> LLM as one module under one loss, the LLM at ZeRO-3 and the "
-                   "rest at ZeRO-2 (`deepspeed_multi.submodules`), two sizes, fp32 and bf16 (`parts.py`); and "
+                   "rest at ZeRO-2 (`deepspeed_multi.submodules`), two sizes (`parts.py`); and "
                    "the peak memory while building the model",
                    "the whole model in one upstream ZeRO-3 engine; PyTorch FSDP2 sharding only the LLM; for "
                    "building, plain construction and `deepspeed.zero.Init` for the whole model",
@@ -646,6 +646,13 @@ class Report:
                      f"{self.fig(took['total_s'] / 60, '.1f')} min on {self.fig(m.get('cpu') or 'an unknown CPU')}, "
                      f"{self.fig(m.get('cpus'), 'd')} cores ({self.fig(m.get('time'))}); the slowest: "
                      + ", ".join(f"{name} {self.fig(sec / 60, '.1f')} min" for name, sec in slow) + ".", "")
+            if took.get("bf16_kernels") is False:
+                mm = took["matmul_ms"]
+                self.out(f"This CPU has no bf16 matmul kernels (one thread, {self.fig(mm['n'], 'd')} x {self.fig(mm['n'], 'd')}: "
+                         f"{self.fig(mm['bf16'], '.1f')} ms "
+                         f"in bf16 against {self.fig(mm['fp32'], '.1f')} ms in fp32), so a bf16 step here would time "
+                         "PyTorch's fallback loop rather than the engines: this run left bf16 out (`BENCH_BF16=1` keeps "
+                         "it). The GPU sections hold the bf16 figures.", "")
         self.out("Every result file this report read, with the machine line it holds:", "")
         rows = []
         files = sorted(self.results.glob("*.json")) + [f for card in self.cards()
@@ -673,6 +680,10 @@ class Report:
                  "median of per-step paired ratios, with their interquartile range (IQR) beside it; below one, ours "
                  "is faster or smaller. Peak memory: each variant alone in fresh processes; on CPU the resident-set "
                  "high-water mark above the start, on GPU the allocator's peak.", "")
+        took = self.load("bench_time.json")
+        if took and took.get("bf16_kernels") is False:
+            self.out("The CPU of this run has no bf16 matmul kernels, so its CPU sections are fp32 only; "
+                     "[Machines and files](#machines-and-files) says why.", "")
         for claim in (self.overhead, self.fused_path, self.growth, self.peers, self.parts, self.distillation,
                       self.rlhf, self.dpo, self.counts, self.fused_ops, self.llama_gpu, self.reliability, self.limits,
                       self.machines):

@@ -37,6 +37,9 @@ else
   readme=(--readme README.md)
 fi
 mkdir -p "$BENCH_RESULTS"
+# A result this run does not make (bf16 left out on a CPU without bf16 kernels) must not be rendered from an
+# earlier run on another machine: the report holds this run's files only (git keeps the earlier ones).
+find "$BENCH_RESULTS" -maxdepth 1 -type f \( -name '*.json' -o -name '*.txt' -o -name '*.png' \) -delete
 summary="$BENCH_RESULTS/summary.txt"
 : > "$summary"
 bench_start=$(date +%s)

@@ -140,3 +140,24 @@ def test_a_run_without_memory_renders(tmp_path):
     found = sections(R.Report(tmp_path, tmp_path).render())
     assert "| two engines | 192.1 | 0.993 (0.93-1.04) | - | - |" in found[R.CLAIMS[2]]
     assert "| watchdog | ZeRO-1 fp32 | 0.983 (" in found["Watchdog and rank-meeting cost"]
+
+
+def test_a_cpu_without_bf16_kernels_leaves_bf16_out_and_says_so(tmp_path, monkeypatch):
+    """On such a CPU a bf16 step times PyTorch's fallback matmul loop: the run is fp32 only, and the report
+    says so at the top and gives the matmul times of the run in "Machines and files"."""
+    import _bench as B
+    monkeypatch.setattr(B, "bf16_kernels", lambda: False)
+    monkeypatch.delenv("BENCH_BF16", raising=False)
+    assert B.dtypes_here(["fp32", "bf16"]) == ["fp32"] and B.dtypes_here(["bf16"]) == []
+    monkeypatch.setenv("BENCH_BF16", "1")
+    assert B.dtypes_here(["fp32", "bf16"]) == ["fp32", "bf16"]
+    took = {"meta": {"cpu": "AMD EPYC", "cpus": 2, "time": "2026-11-27 15:00:00"}, "total_s": 60,
+            "bf16_kernels": False, "matmul_ms": {"n": 512, "fp32": 3.4, "bf16": 215.9}, "benchmarks": {"overhead": 60}}
+    (tmp_path / "bench_time.json").write_text(json.dumps(took))
+    found = sections(R.Report(tmp_path, tmp_path).render())
+    assert "CPU sections are fp32 only" in found["How to read this"]
+    assert "512 x 512: 215.9 ms in bf16 against 3.4 ms in fp32" in found["Machines and files"]
+    took["bf16_kernels"] = True
+    (tmp_path / "bench_time.json").write_text(json.dumps(took))
+    found = sections(R.Report(tmp_path, tmp_path).render())
+    assert "fp32 only" not in found["How to read this"] and "bf16 matmul kernels" not in found["Machines and files"]
