@@ -110,11 +110,17 @@ fuzz: setup
 # README's performance table from them; `make bench QUICK=1` is a short run (fewer steps, smaller sizes) whose
 # results and report go to benchmarks/results/quick/ instead.
 QUICK ?= 0
-bench: setup
+# The benchmarks draw their plots with matplotlib (requirements-bench.txt), installed under the torch constraint.
+STAMP_BENCH := $(VENV)/.installed-bench
+$(STAMP_BENCH): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -r requirements-bench.txt
+	touch $@
+
+bench: $(STAMP_BENCH)
 	QUICK=$(QUICK) PYTHON=$(PY) bash benchmarks/run_all.sh
 
 # make bench QUICK=1 end to end and the renderer over its results (tests/bench_quick.py; about 5 minutes).
-test-bench: setup
+test-bench: $(STAMP_BENCH)
 	DS_ACCELERATOR=cpu $(PY) -m pytest -s tests/bench_quick.py
 
 clean:

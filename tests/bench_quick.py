@@ -39,3 +39,7 @@ def test_make_bench_quick_renders_every_section():
     for title, body in found.items():
         untraced = set(R.numbers(title + body)) - report.figures.get(title, set())
         assert not untraced, f"section {title!r} prints numbers not read from a JSON: {sorted(untraced)}"
+    # The plots come from the benchmarks themselves (matplotlib, installed by `make bench`): a run without them
+    # would render a report with no figure drawn and nothing failing.
+    drawn = {p.stem for p in QUICK.glob("*.png")}
+    assert {"overhead", "two_engines", "parts", "growth", "counts"} <= drawn, f"plots written: {sorted(drawn)}"
