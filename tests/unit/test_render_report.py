@@ -101,7 +101,7 @@ def test_a_missing_result_renders_as_not_measured(tmp_path):
     (tmp_path / "overhead.json").write_text((RESULTS / "overhead.json").read_text())
     text = R.Report(tmp_path, tmp_path).render()
     found = sections(text)
-    assert "1.016" not in found["Distillation"] and "Not measured" in found["Distillation"]
+    assert "Not measured" in found["Distillation"] and not R.numbers(found["Distillation"])
     assert all(claim in found for claim in R.CLAIMS)
 
 
@@ -138,8 +138,10 @@ def test_a_run_without_memory_renders(tmp_path):
             data["peak_mb"] = {"upstream": None, "ours": None}
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     found = sections(R.Report(tmp_path, tmp_path).render())
-    assert "| two engines | 192.1 | 0.993 (0.93-1.04) | - | - |" in found[R.CLAIMS[2]]
-    assert "| watchdog | ZeRO-1 fp32 | 0.983 (" in found["Watchdog and rank-meeting cost"]
+    two = json.loads((tmp_path / "two_engines.json").read_text())["rows"][0]
+    row = next(line for line in found[R.CLAIMS[2]].splitlines() if line.startswith(f"| {two['variant']} | {two['ms']:.1f} | "))
+    assert row.endswith("| - | - |"), row  # no memory figures, and no error for their absence
+    assert re.search(r"\| watchdog \| ZeRO-1 fp32 \| [0-9.]+ \(", found["Watchdog and rank-meeting cost"])
 
 
 def test_a_cpu_without_bf16_kernels_leaves_bf16_out_and_says_so(tmp_path, monkeypatch):
