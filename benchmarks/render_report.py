@@ -439,6 +439,7 @@ class Report:
                          self.fig(r["mem_ours_over_this"])])
         self.table(["variant", "policy stage", "reference stage", "ms (IQR)", "peak MiB", "ours / this, time",
                     "ours / this, memory"], rows)
+        self.plot("dpo_roles.png")
         z3 = next((r for r in data["rows"] if r["stages"]["policy"] == 3), None)
         if z3:
             self.headline("TRL DPO, policy ZeRO-2 + reference ZeRO-3", "both at ZeRO-3",
