@@ -163,3 +163,9 @@ def test_a_cpu_without_bf16_kernels_leaves_bf16_out_and_says_so(tmp_path, monkey
     (tmp_path / "bench_time.json").write_text(json.dumps(took))
     found = sections(R.Report(tmp_path, tmp_path).render())
     assert "fp32 only" not in found["How to read this"] and "bf16 matmul kernels" not in found["Machines and files"]
+
+
+def test_every_plot_is_in_the_report(report):
+    _, text = report
+    for png in sorted(RESULTS.glob("*.png")):
+        assert f"(results/{png.name})" in text, f"make bench draws {png.name}, but the report does not show it"
