@@ -304,9 +304,14 @@ def bf16_kernels() -> bool:
     return bool(use_gpu(1) or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def bf16_left_out() -> bool:
+    """Whether the benchmarks leave bf16 out here: it has no kernels, and ``BENCH_BF16=1`` does not keep it."""
+    return not bf16_kernels() and os.environ.get("BENCH_BF16") != "1"
+
+
 def dtypes_here(dtypes) -> list:
-    """``dtypes`` less bf16 where bf16 has no kernels (``BENCH_BF16=1`` keeps it); says what it left out."""
-    if "bf16" in dtypes and not bf16_kernels() and os.environ.get("BENCH_BF16") != "1":
+    """``dtypes`` less bf16 where ``bf16_left_out()``; says what it left out."""
+    if "bf16" in dtypes and bf16_left_out():
         print("bf16 left out: this CPU has no bf16 matmul kernels (BENCH_BF16=1 runs it anyway)", flush=True)
         return [d for d in dtypes if d != "bf16"]
     return list(dtypes)
@@ -403,7 +408,7 @@ def write_bench_time(path: str, total_s: str, quick: str, *timings: str) -> None
     """``_bench.py --write-time PATH TOTAL_S QUICK NAME=S...``: run_all.sh's record of how long it took, with
     the machine line, for the report's "Machines and files" section."""
     payload = {"meta": meta(quick=quick == "1"), "total_s": int(total_s), "bf16_kernels": bf16_kernels(),
-               "matmul_ms": matmul_ms(),
+               "bf16_left_out": bf16_left_out(), "matmul_ms": matmul_ms(),
                "benchmarks": {name: int(s) for name, s in (t.split("=", 1) for t in timings)}}
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {_shown(Path(path).resolve())}: {int(total_s) / 60:.1f} min")

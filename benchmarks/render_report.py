@@ -649,7 +649,7 @@ class Report:
                      f"{self.fig(took['total_s'] / 60, '.1f')} min on {self.fig(m.get('cpu') or 'an unknown CPU')}, "
                      f"{self.fig(m.get('cpus'), 'd')} cores ({self.fig(m.get('time'))}); the slowest: "
                      + ", ".join(f"{name} {self.fig(sec / 60, '.1f')} min" for name, sec in slow) + ".", "")
-            if took.get("bf16_kernels") is False:
+            if took.get("bf16_left_out"):
                 mm = took["matmul_ms"]
                 self.out(f"This CPU has no bf16 matmul kernels (one thread, {self.fig(mm['n'], 'd')} x {self.fig(mm['n'], 'd')}: "
                          f"{self.fig(mm['bf16'], '.1f')} ms "
@@ -684,7 +684,7 @@ class Report:
                  "is faster or smaller. Peak memory: each variant alone in fresh processes; on CPU the resident-set "
                  "high-water mark above the start, on GPU the allocator's peak.", "")
         took = self.load("bench_time.json")
-        if took and took.get("bf16_kernels") is False:
+        if took and took.get("bf16_left_out"):
             self.out("The CPU of this run has no bf16 matmul kernels, so its CPU sections are fp32 only; "
                      "[Machines and files](#machines-and-files) says why.", "")
         for claim in (self.overhead, self.fused_path, self.growth, self.peers, self.parts, self.distillation,
