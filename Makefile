@@ -37,7 +37,7 @@ setup: $(STAMP)
 # fatal: the ops fall back to PyTorch (DeepSpeed to torch.distributed), and the tests say so.
 PREBUILD := DS_ACCELERATOR=cpu python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
 	|| echo "note: DeepSpeed's shm op did not build"
-$(STAMP): setup.py Makefile requirements-test.txt
+$(STAMP): pyproject.toml setup.py Makefile requirements-test.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -49,7 +49,7 @@ $(STAMP): setup.py Makefile requirements-test.txt
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PREBUILD)
 	touch $@
 
-$(STAMP_OLDEST): setup.py Makefile requirements-test.txt
+$(STAMP_OLDEST): pyproject.toml setup.py Makefile requirements-test.txt
 	python3 -m venv $(VENV_OLDEST)
 	$(PY_OLDEST) -m pip install -q --upgrade pip
 	$(PY_OLDEST) -m pip install -q "$(TORCH_SPEC)"

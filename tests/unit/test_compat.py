@@ -296,14 +296,14 @@ def test_every_replaced_name_is_a_touch_point():
 
 
 def test_the_install_files_test_both_ends_of_each_supported_window():
-    """compat.SUPPORTED and transformers.TESTED are what the code accepts; setup.py, requirements-test.txt
+    """compat.SUPPORTED and transformers.TESTED are what the code accepts; pyproject.toml, requirements-test.txt
     (the newest environment) and the Makefile's oldest environment must install those ends, or make test
-    would stop testing what users are allowed to run. The torch make test installs must be in setup.py's
+    would stop testing what users are allowed to run. The torch make test installs must be in pyproject.toml's
     range (its ends were measured by hand: docs/supported_releases.md)."""
     root = Path(__file__).resolve().parents[2]
     pins = dict(re.findall(r"^(deepspeed|transformers)==(\S+)$", (root / "requirements-test.txt").read_text(), re.M))
     make = dict(re.findall(r"^(DS_OLDEST|TRANSFORMERS_OLDEST) \?= (\S+)$", (root / "Makefile").read_text(), re.M))
-    setup = (root / "setup.py").read_text()
+    setup = (root / "pyproject.toml").read_text()
     assert (make["DS_OLDEST"], pins["deepspeed"]) == compat.SUPPORTED
     assert f'"deepspeed>={compat.SUPPORTED[0]},<={compat.SUPPORTED[1]}"' in setup
     tested = pytest.importorskip("deepspeed_multi.transformers").TESTED["transformers"]
@@ -311,7 +311,7 @@ def test_the_install_files_test_both_ends_of_each_supported_window():
     assert (minor(make["TRANSFORMERS_OLDEST"]), minor(pins["transformers"])) == (tested[0], tested[-1])
     major, last = tested[-1].split(".")
     assert f'"transformers>={tested[0]}.0,<{major}.{int(last) + 1}"' in setup
-    # torch: make test runs one release (the Makefile's pin); it must lie in the range setup.py states.
+    # torch: make test runs one release (the Makefile's pin); it must lie in the range pyproject.toml states.
     torch_pin = re.search(r"^TORCH_SPEC \?= torch==(\S+)$", (root / "Makefile").read_text(), re.M).group(1)
     low, high = re.search(r'"torch>=(\S+?),<(\S+?)"', setup).groups()
     assert compat._version_tuple(low) <= compat._version_tuple(torch_pin) < compat._version_tuple(high), \

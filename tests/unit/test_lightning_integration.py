@@ -66,10 +66,10 @@ def test_contradicting_configs_are_refused(base, own, precision, text):
 
 
 def test_the_installed_pins_are_the_tested_releases():
-    """setup.py's extra and requirements-test.txt install a Lightning the gate accepts (make test tests it)."""
+    """pyproject.toml's extra and requirements-test.txt install a Lightning the gate accepts (make test tests it)."""
     import pathlib
     import re
     root = pathlib.Path(__file__).resolve().parents[2]
     pins = re.findall(r"lightning==(\d+\.\d+)\.\d+", (root / "requirements-test.txt").read_text())
-    pins += re.findall(r"\"lightning==(\d+\.\d+)\.\d+\"", (root / "setup.py").read_text())
+    pins += re.findall(r"\"lightning==(\d+\.\d+)\.\d+\"", (root / "pyproject.toml").read_text())
     assert len(pins) == 2 and set(pins) <= set(versions.TESTED), pins
