@@ -10,5 +10,15 @@ from .initialize import initialize
 from .integrations.zero_init import zero_init
 from .state import TrainingState
 
-__all__ = ["MultiEngine", "TrainingState", "initialize", "load_checkpoint", "save_checkpoint", "zero_init"]
-__version__ = "0.1.0"
+__all__ = ["MultiEngine", "TrainingState", "initialize", "load_checkpoint", "report", "save_checkpoint", "zero_init"]
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it from this line (a literal, without importing)
+
+
+def __getattr__(name):
+    # The environment report for bug reports (deepspeed_multi.report(), python -m deepspeed_multi.report) is
+    # imported on first use: importing it here would make `python -m` find its module already imported.
+    # The module is callable: deepspeed_multi.report() prints the report.
+    if name == "report":
+        import importlib
+        return importlib.import_module(f"{__name__}.report")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
