@@ -18,7 +18,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .. import checkpoint, hand_back
+from .. import hand_back
+from ..checkpoint import set_checkpoint as checkpoint
 from . import clip
 from .optimizer import sync_hyperparameters
 from .plan import REST
@@ -201,6 +202,10 @@ class PartedEngine(nn.Module):
         state = {"client_state": client_state, **self._client_states()}
         checkpoint.save_checkpoint(save_dir, self._parts, client_state=state, tag=tag)
         return True
+
+    def checkpoint_parts(self) -> dict:
+        """What a set checkpoint saves of this model: its parts, as ``<name>.<part>``."""
+        return self.parts
 
     def _client_states(self) -> dict:
         return {"optimizer": self._client.state_dict() if self._client is not None else None,

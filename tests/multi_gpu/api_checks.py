@@ -652,7 +652,8 @@ def cast_on_gather_universal(path):
     bits (DSM_ZERO3_CAST_ON_GATHER=0) after the load and after two more updates."""
     import os
 
-    from deepspeed_multi import compat, resize
+    from deepspeed_multi import compat
+    from deepspeed_multi.checkpoint import resize
     from deepspeed_multi.zero import stage3_cast_on_gather as cog
     build = functools.partial(_adamw_engine, ds_config(3, "bf16", zero_optimization={"sub_group_size": 100}))
     saved_engine = build()
@@ -782,7 +783,8 @@ def round_robin_fp32_links(path):
 
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from deepspeed_multi import compat, resize
+    from deepspeed_multi import compat
+    from deepspeed_multi.checkpoint import resize
     for stage in (1, 2):
         for dtype in ("fp32", "bf16", "fp16"):
             what = f"ZeRO-{stage} {dtype} round_robin_gradients"

@@ -132,7 +132,7 @@ def set_checkpoint_on_nodes(node_local, disk):
         manifest = json.load(f)
     storage = manifest["storage"]
     assert storage["node_local"] == node_local, storage
-    from deepspeed_multi.checkpoint_disks import _owner
+    from deepspeed_multi.checkpoint.disks import _owner
     owners = {_owner(f) for f in manifest["files"]} - {None}
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     mine = set(range(node * local, (node + 1) * local)) if node_local else set(range(world))
@@ -246,7 +246,7 @@ def lost_node_run(disk):
     engines = build_with(LOST_SET, config)
     start = 0
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, bool(checkpoint._complete_tags(root)[0]))
+    dist.all_gather_object(views, bool(checkpoint.tags.complete_tags(root)[0]))
     if all(views):
         _reseed(999)
         engines = build_with(LOST_SET, config, seed_offset=50)

@@ -1,5 +1,6 @@
 """Config handling: our options are taken out, DeepSpeed runs unmanaged, bad input is refused."""
 import pytest
+import torch
 
 from deepspeed_multi.config import MultiOptions, load_config, prepare_engine_config, zero_stage
 
@@ -50,6 +51,23 @@ def test_offload_refused_on_releases_before_the_measured_one(monkeypatch, key):
     prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
 
 
+@pytest.mark.parametrize("given", [{"compile": {"deepcompile": True}},
+                                   {"compile": {"deepcompile": True}, "zero_optimization": {"stage": 3}}])
+def test_deepcompile_refused_at_initialize_naming_why_and_what_to_do(given):
+    """Refused before DeepSpeed sees the config (which would stop in the engine's constructor with
+    a bare AssertionError: managed_gradient_accumulation=False is not supported with DeepCompile)."""
+    import deepspeed_multi
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(NotImplementedError) as info:
+        deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=given)
+    msg = str(info.value)
+    for text in ("does not support DeepCompile (compile.deepcompile=true)", "managed_gradient_accumulation",
+                 "autograd hooks", "deepspeed.initialize and train it with engine.backward(loss)",
+                 "drop compile.deepcompile"):
+        assert text in msg, msg
+    prepare_engine_config({"compile": {"deepcompile": False}})  # off, or engine.compile() alone: fine
+
+
 def test_load_config_from_path(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 3}}')
@@ -90,7 +108,8 @@ def test_universal_load_of_16bit_below_zero3_refused_on_releases_that_get_it_wro
     """deepspeed_multi/resize.py: a resume at another world size, which DeepSpeed 0.19.4-0.19.6 get wrong there."""
     import types
 
-    from deepspeed_multi import compat, resize
+    from deepspeed_multi import compat
+    from deepspeed_multi.checkpoint import resize
     loads = []
     engine = types.SimpleNamespace(
         bfloat16_enabled=lambda: dtype == "bf16", fp16_enabled=lambda: dtype == "fp16",

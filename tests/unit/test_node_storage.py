@@ -1,8 +1,8 @@
-"""The node-aware decisions that need no processes: which tag each node's disk loads (checkpoint_disks.py,
+"""The node-aware decisions that need no processes: which tag each node's disk loads (checkpoint/disks.py,
 [Note: node-local storage]), which files are a rank's own, and the watchdog's lost-rank message."""
 import pytest
 
-from deepspeed_multi import checkpoint_disks
+from deepspeed_multi.checkpoint import disks as checkpoint_disks
 from deepspeed_multi.reliability import watchdog
 
 
@@ -47,6 +47,7 @@ def test_copies_of_different_saves_are_refused():
 
 def test_per_rank_files():
     assert checkpoint_disks._owner("rng/rank3.pt") == 3
+    assert checkpoint_disks._owner("buffers/rank2.pt") == 2
     assert checkpoint_disks._owner("enc/zero_pp_rank_2_mp_rank_00_optim_states.pt") == 2
     assert checkpoint_disks._owner("enc/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt") == 1
     assert checkpoint_disks._owner("dec/zero_pp_rank_0_mp_rank_00_model_states.pt") == 0

@@ -1,6 +1,6 @@
 """Which ranks share which copy of a checkpoint directory, on one disk or on each node's own disk.
 
-See [Note: node-local storage] in checkpoint.py: the probe that tells a shared filesystem from a disk
+See [Note: node-local storage] in set_checkpoint.py: the probe that tells a shared filesystem from a disk
 per node, the files that travel from rank 0's disk to the others, and the choice, before anything is
 loaded, of the tag every disk holds (or the error that names the node lacking it).
 """
@@ -12,13 +12,13 @@ import socket
 
 import deepspeed.comm as dist
 
-from .reliability.watchdog import node_index
+from ..reliability.watchdog import node_index
 
 logger = logging.getLogger("deepspeed_multi.checkpoint")
 LATEST = "latest"
 
 # Files written by one rank for itself (see [Note: node-local storage]); everything else is common.
-_PER_RANK = re.compile(r"(^|/)(rng/rank(?P<a>\d+)\.pt|(bf16_)?zero_pp_rank_(?P<b>\d+)_mp_rank_\d+_(optim|model)_states\.pt)$")
+_PER_RANK = re.compile(r"(^|/)((rng|buffers)/rank(?P<a>\d+)\.pt|(bf16_)?zero_pp_rank_(?P<b>\d+)_mp_rank_\d+_(optim|model)_states\.pt)$")
 
 
 def _owner(relpath):
@@ -143,7 +143,7 @@ def _copy_common_files(staging, disks):
 
 def _needed_by(rank, world):
     """The per-rank files ``rank`` reads at a same-size resume (besides the common ones)."""
-    return [f"rng/rank{rank}.pt"]
+    return [f"rng/rank{rank}.pt", f"buffers/rank{rank}.pt"]
 
 
 def _holders_text(manifest):

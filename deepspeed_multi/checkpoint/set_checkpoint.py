@@ -5,14 +5,16 @@ Layout of ``<save_dir>/<tag>/``::
     manifest.json          what ties the engines together (below); written last
     <name>/...             each engine's own DeepSpeed checkpoint (engine.save_checkpoint(<save_dir>/<tag>, tag=<name>)),
                            so engine.load_checkpoint(<save_dir>/<tag>, tag=<name>) and zero_to_fp32 read it;
-                           none for an inference-only engine (built without an optimizer): DeepSpeed cannot
-                           save one at ZeRO-3, and its weights never change. The manifest keeps a sha256 of
-                           its weights instead, and load refuses an engine built with other weights.
+                           none for an engine built without an optimizer (DeepSpeed cannot save one at
+                           ZeRO-3): its parameters are in <save_dir>/.frozen/ (below)
     zero_to_fp32.py        DeepSpeed's recovery script (``python zero_to_fp32.py . out --tag <name>``)
     rng/rank<r>.pt         every rank's torch / CUDA / numpy / python RNG states
+    buffers/rank<r>.pt     every rank's buffers of every engine (BatchNorm statistics, ...)
     client_state.pt        the caller's client_state (data position, anything picklable)
 
-and ``<save_dir>/latest`` names the newest tag.
+and ``<save_dir>/latest`` names the newest tag. ``<save_dir>/.frozen/<sha256>.pt`` holds the parameters
+of the engines without an optimizer, content-addressed and shared by the tags that reference them
+(see [Note: frozen engines change] and [Note: buffers rank by rank] in module_state.py).
 
 [Note: a save is atomic]
 Everything is written under ``<save_dir>/.<tag>.staging``; when every rank has written its
@@ -49,7 +51,6 @@ accumulated gradients, so the resumed run would silently lose them. The window p
 itself is saved (a window emptied by zero_grad() resumes exactly).
 """
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -60,15 +61,13 @@ import shutil
 import deepspeed.comm as dist
 import torch
 
-from . import resize
-from .checkpoint_disks import LATEST, _choose_on_every_disk, _copy_common_files, _Disks, _holders_text, _needed_by
-from .state import TrainingState
+from ..state import TrainingState
+from . import module_state, resize
+from .disks import LATEST, _choose_on_every_disk, _copy_common_files, _Disks, _holders_text, _needed_by
+from .files import checksums, raise_if_any, same_on_every_rank
+from .tags import FORMAT, MANIFEST, STAGING, check_name, complete_tags, disk_view, fsync_dir, write_atomically
 
-logger = logging.getLogger(__name__)
-
-FORMAT = "deepspeed_multi.checkpoint/1"
-MANIFEST = "manifest.json"
-_STAGING = ".{tag}.staging"
+logger = logging.getLogger("deepspeed_multi.checkpoint")
 
 # The phases of a save, logged at DEBUG as "save_checkpoint phase: <name>" when each is reached
 # (tests/multi_gpu/test_checkpoint.py kills a rank at each of them to test recovery).
@@ -90,13 +89,13 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
     if parted:
         client_state = {_PARTED: {name: e._client_states() for name, e in parted.items()}, "client_state": client_state}
     _check_engine_set(engines, "save_checkpoint")
-    _raise_if_any(_pending_gradients(engines))  # decided together: a rank that refused alone would hang the others
+    raise_if_any(_pending_gradients(engines))  # decided together: a rank that refused alone would hang the others
     rank, world = dist.get_rank(), dist.get_world_size()
     if tag is None:
         tag = f"global_step{max(e.global_steps for e in engines.values())}"
-    tag = _same_on_every_rank(str(tag), "tag")
-    _check_name(tag, "tag")
-    final, staging = os.path.join(save_dir, tag), os.path.join(save_dir, _STAGING.format(tag=tag))
+    tag = same_on_every_rank(str(tag), "tag")
+    check_name(tag, "tag")
+    final, staging = os.path.join(save_dir, tag), os.path.join(save_dir, STAGING.format(tag=tag))
     disks = _Disks.probe(save_dir, create=True)  # see [Note: node-local storage]
     _phase("before")
     error = None
@@ -108,14 +107,20 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
             os.makedirs(save_dir, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
             os.makedirs(os.path.join(staging, "rng"))
-    _raise_if_any(error)
+            os.makedirs(os.path.join(staging, "buffers"))
+    raise_if_any(error)
 
+    frozen, objects = {}, set()
     for i, (name, engine) in enumerate(engines.items()):
         if engine.has_optimizer:
             engine.save_checkpoint(staging, tag=name, client_state={}, save_latest=False)
+        else:  # see [Note: frozen engines change] in module_state.py
+            frozen[name], held = module_state.save_frozen(save_dir, name, engine, disks)
+            objects.update(held)
         if i == 0:
             _phase("between_engines")
     torch.save(_rng_state(), os.path.join(staging, "rng", f"rank{rank}.pt"))
+    torch.save(module_state.buffers_of(engines), os.path.join(staging, "buffers", f"rank{rank}.pt"))
     if rank == 0:
         torch.save(client_state, os.path.join(staging, "client_state.pt"))
     _phase("after_engines")
@@ -123,27 +128,28 @@ def save_checkpoint(save_dir, engines, client_state=None, tag=None):
     if not disks.shared:
         _copy_common_files(staging, disks)
 
-    sums = _checksums(staging, disks=disks)
-    records = {name: _engine_record(e) for name, e in engines.items()}  # collective for inference-only engines
+    sums = checksums(staging, disks=disks)
+    records = {name: dict(_engine_record(e), frozen=frozen.get(name)) for name, e in engines.items()}
     # One serial, time and id for the copies on every disk (load checks that they match).
     serials = [None] * world
-    dist.all_gather_object(serials, (max((s for s, _ in _complete_tags(save_dir)[0]), default=0)
+    dist.all_gather_object(serials, (max((s for s, _ in complete_tags(save_dir)[0]), default=0)
                                      if disks.leads(rank) else 0,
                                      datetime.datetime.now(datetime.timezone.utc).isoformat(), secrets.token_hex(8)))
     if disks.leads(rank):
         manifest = {"format": FORMAT, "tag": tag, "serial": 1 + max(s for s, _, _ in serials),
                     "saved_at": serials[0][1], "save_id": serials[0][2], "world_size": world,
-                    "engines": records, "files": sums[disks.disk_of(rank)], "storage": disks.describe(sums)}
-        _write_atomically(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1))
+                    "engines": records, "files": sums[disks.disk_of(rank)], "objects": sorted(objects),
+                    "storage": disks.describe(sums)}
+        write_atomically(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1))
         _phase("before_rename")
         os.rename(staging, final)
-        _fsync_dir(save_dir)
+        fsync_dir(save_dir)
     # Every disk has published the tag before any `latest` names it: a tag some disk's `latest`
     # names is complete on every disk, which is how load tells a lost copy from an interrupted save.
     dist.barrier()
     if disks.leads(rank):
         _phase("before_latest")
-        _write_atomically(os.path.join(save_dir, LATEST), tag)
+        write_atomically(os.path.join(save_dir, LATEST), tag)
     _phase("after")
     dist.barrier()
     return final
@@ -172,20 +178,7 @@ def _engine_record(e):
             "skipped_steps": e.skipped_steps, "micro_steps": e.micro_steps,
             "window_micro_steps": e._window_micro_steps,
             "gradient_accumulation_steps": e.gradient_accumulation_steps(), "train_batch_size": e.train_batch_size(),
-            "loss_scale": float(e._get_optimizer_loss_scale()) if e.fp16_enabled() and e.has_optimizer else None,
-            "weights_sha256": None if e.has_optimizer else _weights_digest(e)}
-
-
-def _weights_digest(engine):
-    """sha256 of every parameter and buffer of the engine's module, ZeRO-3 partitions gathered."""
-    import deepspeed
-    h = hashlib.sha256()
-    module = engine.module
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+            "loss_scale": float(e._get_optimizer_loss_scale()) if e.fp16_enabled() and e.has_optimizer else None}
 
 
 def _rng_state():
@@ -205,26 +198,15 @@ def _set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---------------------------------------------------------------------------------- disks
-def _disk_view(load_dir):
-    """What one disk holds: its complete tags' manifests, what its `latest` names, its incomplete tags."""
-    complete, incomplete = _complete_tags(load_dir)
-    latest = os.path.join(load_dir, LATEST)
-    try:
-        pointed = open(latest).read().strip() if os.path.isfile(latest) else None
-    except OSError:
-        pointed = None
-    return {"complete": {m["tag"]: m for _, m in complete}, "latest": pointed, "incomplete": incomplete}
-
-
 # ---------------------------------------------------------------------------------- load
 def load_checkpoint(load_dir, engines, tag=None):
     """Load a set checkpoint into ``engines`` (the same names as when saved); return its ``client_state``.
 
-    Call on every rank, with freshly built engines (as DeepSpeed requires for ZeRO-3). ``tag``
-    defaults to the newest complete checkpoint in ``load_dir``; incomplete ones are skipped with a
-    warning. Restores each engine's DeepSpeed state, its accumulation-window position and every
-    rank's RNG states; checks every file's sha256 first.
+    Call on every rank, with freshly built engines (as DeepSpeed requires for ZeRO-3), built from
+    any weights. ``tag`` defaults to the newest complete checkpoint in ``load_dir``; incomplete ones
+    are skipped with a warning. Restores each engine's DeepSpeed state, the parameters of the engines
+    without an optimizer, every engine's buffers, the accumulation-window position and every rank's
+    RNG states; checks every file's sha256 first.
     """
     engines, parted = _expand_parted(engines, "load_checkpoint")
     _check_engine_set(engines, "load_checkpoint")
@@ -233,7 +215,7 @@ def load_checkpoint(load_dir, engines, tag=None):
     # Every rank decides from what every disk holds, before anything is loaded: a disk without the
     # chosen tag fails every rank, and no engine is half-loaded.
     views = [None] * world
-    dist.all_gather_object(views, _disk_view(load_dir) if disks.leads(rank) else None)
+    dist.all_gather_object(views, disk_view(load_dir) if disks.leads(rank) else None)
     views = [views[disks.leader(d)] for d in range(len(disks.disks))]
     try:
         manifest = _choose_on_every_disk(load_dir, tag, views, disks)[disks.disk_of(rank)]
@@ -243,30 +225,32 @@ def load_checkpoint(load_dir, engines, tag=None):
     if sorted(manifest["engines"]) != sorted(engines):
         raise ValueError(f"deepspeed_multi.load_checkpoint: {path} holds engines {sorted(manifest['engines'])}, "
                          f"given {sorted(engines)}; pass the same names as to save_checkpoint.")
-    bad = _checksums(path, expected=manifest["files"], disks=disks)
-    _raise_if_any(f"deepspeed_multi.load_checkpoint: {path} is damaged{disks.on_disk_of(rank)}: {bad}" if bad else None)
+    bad = checksums(path, expected=manifest["files"], disks=disks)
+    raise_if_any(f"deepspeed_multi.load_checkpoint: {path} is damaged{disks.on_disk_of(rank)}: {bad}" if bad else None)
     resized = manifest["world_size"] != world
     if not resized:
         missing = [f for f in _needed_by(rank, world) if f not in manifest["files"]]
-        _raise_if_any(f"deepspeed_multi.load_checkpoint: rank {rank} needs {missing} of {path}, which the copy"
+        raise_if_any(f"deepspeed_multi.load_checkpoint: rank {rank} needs {missing} of {path}, which the copy"
                       f"{disks.on_disk_of(rank)} does not hold (ranks saved their files on their own node's disk: "
                       f"{_holders_text(manifest)}); start every rank on the node that saved its files, or copy "
                       "them there." if missing else None)
     if resized:  # see [Note: resuming at another world size]
         _warn_resized(path, manifest, engines, world)
+    for name, engine in engines.items():
+        record = manifest["engines"][name]
+        if record["zero_stage"] != engine.zero_optimization_stage() or record["class"] != engine._engine_name() or (
+                record["frozen"] is None) != engine.has_optimizer:
+            raise ValueError(f"deepspeed_multi.load_checkpoint: engine {name!r} was saved as {record['class']} at ZeRO "
+                             f"stage {record['zero_stage']} {'with' if record['frozen'] is None else 'without'} an "
+                             f"optimizer, given {engine._engine_name()} at stage {engine.zero_optimization_stage()} "
+                             f"{'with' if engine.has_optimizer else 'without'} one; build it as it was saved.")
+    errors = [module_state.load_frozen(load_dir, name, e, manifest["engines"][name]["frozen"], resized)
+              for name, e in engines.items() if not e.has_optimizer]
+    raise_if_any(next((f"deepspeed_multi.load_checkpoint: {path}: {e}" for e in errors if e), None))
     converted = _convert_for(load_dir, path, manifest, engines, disks) if resized else {}
     for name, engine in engines.items():
         record = manifest["engines"][name]
-        if record["zero_stage"] != engine.zero_optimization_stage() or record["class"] != engine._engine_name():
-            raise ValueError(f"deepspeed_multi.load_checkpoint: engine {name!r} was saved as {record['class']} at ZeRO "
-                             f"stage {record['zero_stage']}, given {engine._engine_name()} at stage "
-                             f"{engine.zero_optimization_stage()}; build it as it was saved.")
         if not engine.has_optimizer:
-            if record["weights_sha256"] != _weights_digest(engine):
-                raise ValueError(f"deepspeed_multi.load_checkpoint: inference-only engine {name!r} "
-                                 f"({engine._engine_name()}) was built with other weights than at the save; its "
-                                 "weights are not in the checkpoint (they never change): build it from the same "
-                                 "weights as the saved run.")
             continue
         if name in converted:
             loaded, _ = resize.load_universal(engine, converted[name], name)
@@ -280,6 +264,11 @@ def load_checkpoint(load_dir, engines, tag=None):
         if record["loss_scale"] is not None and float(engine._get_optimizer_loss_scale()) != record["loss_scale"]:
             raise RuntimeError(f"deepspeed_multi.load_checkpoint: engine {name!r}: loss scale "
                                f"{engine._get_optimizer_loss_scale()} after loading, {record['loss_scale']} saved.")
+    # DeepSpeed gave every rank rank 0's buffers: see [Note: buffers rank by rank] in module_state.py.
+    buffers = os.path.join(path, "buffers", f"rank{0 if resized else rank}.pt")
+    error = (module_state.restore_buffers(engines, torch.load(buffers, weights_only=True), buffers)
+             if os.path.isfile(buffers) else f"{buffers} is missing{disks.on_disk_of(rank)}")
+    raise_if_any(f"deepspeed_multi.load_checkpoint: {error}" if error else None)
     if not resized:
         _set_rng_state(torch.load(os.path.join(path, "rng", f"rank{rank}.pt"), weights_only=False))
     client_state = torch.load(os.path.join(path, "client_state.pt"), weights_only=False)
@@ -325,81 +314,8 @@ def _convert_for(load_dir, path, manifest, engines, disks):
                      "it into this node's copy (the files do not overlap), then resume.")
         else:
             error = resize.convert(path, names, target)
-    _raise_if_any(f"deepspeed_multi.load_checkpoint: {error}" if error else None)
+    raise_if_any(f"deepspeed_multi.load_checkpoint: {error}" if error else None)
     return {name: target for name in names}
-
-
-def _choose(load_dir, tag):
-    complete, incomplete = _complete_tags(load_dir)
-    for path, why in incomplete:
-        logger.warning("deepspeed_multi.load_checkpoint: ignoring incomplete checkpoint %s (%s); "
-                       "deepspeed_multi.checkpoint.remove_incomplete(%r) deletes it.", path, why, load_dir)
-    by_tag = {m["tag"]: m for _, m in complete}
-    if tag is not None:
-        if str(tag) not in by_tag:
-            raise FileNotFoundError(f"no complete checkpoint with tag {tag!r} in {load_dir} (complete tags: "
-                                    f"{sorted(by_tag)})")
-        return by_tag[str(tag)]
-    if not complete:
-        raise FileNotFoundError(f"no complete deepspeed_multi checkpoint in {load_dir}")
-    newest = max(complete, key=lambda c: c[0])[1]
-    latest = os.path.join(load_dir, LATEST)
-    pointed = open(latest).read().strip() if os.path.isfile(latest) else None
-    if pointed != newest["tag"]:
-        logger.warning("deepspeed_multi.load_checkpoint: %s names %r, but the newest complete checkpoint is %r "
-                       "(a save ended between its rename and the update of latest); loading %r.", latest, pointed,
-                       newest["tag"], newest["tag"])
-    return newest
-
-
-def _read_manifest(path):
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        return None, f"no valid {MANIFEST}: {type(e).__name__}"
-    if manifest.get("format") != FORMAT:
-        return None, f"{MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r}"
-    missing = [f for f in manifest["files"] if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        return None, f"files listed in {MANIFEST} are missing: {missing[:3]}"
-    return manifest, None
-
-
-def _complete_tags(directory):
-    """``([(serial, manifest)], [(path, why incomplete)])`` for the checkpoints under ``directory``.
-
-    A tag directory whose manifest is unreadable or lists missing files is incomplete; other
-    directories (an engine's own DeepSpeed checkpoint, anything else) are left out silently.
-    """
-    complete, incomplete = [], []
-    if not os.path.isdir(directory):
-        return complete, incomplete
-    for entry in sorted(os.listdir(directory)):
-        path = os.path.join(directory, entry)
-        if not os.path.isdir(path):
-            continue
-        if entry.startswith(".") and entry.endswith(".staging"):
-            incomplete.append((path, "a save that never finished"))
-            continue
-        if not (os.path.exists(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, "rng"))):
-            continue  # not a set checkpoint (e.g. an engine's own DeepSpeed checkpoint): not ours to judge
-        manifest, why = _read_manifest(path)
-        if manifest is None:
-            incomplete.append((path, why))
-        else:
-            complete.append((manifest["serial"], manifest))
-    return complete, incomplete
-
-
-def remove_incomplete(directory):
-    """Delete the staging directories and tags without a valid manifest under ``directory``;
-    return their paths. Call from one process, while no save is running."""
-    removed = []
-    for path, _ in _complete_tags(directory)[1]:
-        shutil.rmtree(path)
-        removed.append(path)
-    return removed
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -407,114 +323,42 @@ _PARTED = "deepspeed_multi.parted"  # client_state key: the client optimizer and
 
 
 def _expand_parted(engines, what):
-    """A model in parts (PartedEngine) in the set is saved as its parts, ``<name>.<part>``, and its
-    client optimizer and scheduler states in the client state; returns (engines, {name: PartedEngine})."""
-    from .parts import PartedEngine
-    if not isinstance(engines, dict) or not any(isinstance(e, PartedEngine) for e in engines.values()):
+    """A model in parts in the set is saved as its parts, ``<name>.<part>``, and its client optimizer
+    and scheduler states in the client state; returns (engines, {name: model in parts}). A model in
+    parts is whatever has ``checkpoint_parts()`` (parts.PartedEngine): the checkpoint asks it, so it
+    does not import the parts package, which imports the checkpoint."""
+    def parts_of(e):
+        ask = getattr(e, "checkpoint_parts", None)
+        return ask() if callable(ask) else None
+
+    if not isinstance(engines, dict) or not any(parts_of(e) is not None for e in engines.values()):
         return engines, {}
-    flat, parted = {}, {}
+    flat, parted, count = {}, {}, 0
     for name, e in engines.items():
-        if isinstance(e, PartedEngine):
-            _check_name(name, f"engine name {name!r}")
+        parts = parts_of(e)
+        if parts is not None:
+            check_name(name, f"engine name {name!r}")
             parted[name] = e
-            flat.update({f"{name}.{part}": pe for part, pe in e.parts.items()})
+            flat.update({f"{name}.{part}": pe for part, pe in parts.items()})
+            count += len(parts)
         else:
             flat[name] = e
-    if len(flat) != sum(len(e.parts) if name in parted else 1 for name, e in engines.items()):
+            count += 1
+    if len(flat) != count:
         raise ValueError(f"deepspeed_multi.{what}: the names of the engines and of the models' parts "
                          f"(<name>.<part>) collide: {sorted(engines)}; rename an engine.")
     return flat, parted
 
 
 def _check_engine_set(engines, what):
-    from .engine import MultiEngine
+    from ..engine import MultiEngine
     if not isinstance(engines, dict) or not engines:
         raise TypeError(f"deepspeed_multi.{what}: engines must be a non-empty dict name -> engine, got "
                         f"{type(engines).__name__}")
     for name, e in engines.items():
-        _check_name(name, f"engine name {name!r}")
+        check_name(name, f"engine name {name!r}")
         if not isinstance(e, MultiEngine):
             raise TypeError(f"deepspeed_multi.{what}: engines[{name!r}] is a {type(e).__name__}, not a MultiEngine; "
                             "build it with deepspeed_multi.initialize.")
 
 
-def _check_name(name, what):
-    if not isinstance(name, str) or not name or name.startswith(".") or os.sep in name or name in (MANIFEST, "rng"):
-        raise ValueError(f"deepspeed_multi checkpoint: {what} must be a non-empty directory name without "
-                         f"{os.sep!r}, not starting with '.', and not {MANIFEST!r} or 'rng'; got {name!r}.")
-
-
-def _same_on_every_rank(value, what):
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    if len(set(values)) != 1:
-        raise ValueError(f"deepspeed_multi.save_checkpoint: the {what} differs between ranks: {values}; pass the "
-                         "same value on every rank.")
-    return value
-
-
-def _raise_if_any(error):
-    """Every rank raises when any rank found an error (so no rank is left waiting in a collective)."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    errors = [e for e in errors if e]
-    if errors:
-        raise RuntimeError(errors[0])
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _checksums(root, expected=None, disks=None):
-    """sha256 of every file under ``root``, the ranks of each disk hashing their share of it.
-
-    Without ``expected``: returns ``{disk: {relative path: {"sha256", "bytes"}}}`` on every rank
-    (one disk, 0, unless the ranks' storage is node-local). With it (this rank's disk's manifest
-    files): returns the list of those files that are missing or differ on this rank's disk.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    disks = disks or _Disks.single(world)
-    disk = disks.disk_of(rank)
-    peers = disks.ranks_of(disk)
-    if expected is None:
-        files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
-    else:
-        files = sorted(expected)
-    mine = {}
-    for f in files[peers.index(rank)::len(peers)]:
-        full = os.path.join(root, f)
-        if expected is None:
-            mine[f] = {"sha256": _sha256(full), "bytes": os.path.getsize(full)}
-        elif not os.path.isfile(full) or _sha256(full) != expected[f]["sha256"]:
-            mine[f] = "missing" if not os.path.isfile(full) else "checksum differs"
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (disk, mine))
-    merged = {}
-    for d, part in gathered:
-        merged.setdefault(d, {}).update(part)
-    if expected is None:
-        return {d: dict(sorted(merged.get(d, {}).items())) for d in range(len(disks.disks))}
-    return sorted(f"{k} ({v})" for k, v in merged.get(disk, {}).items())
-
-
-def _write_atomically(path, text):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

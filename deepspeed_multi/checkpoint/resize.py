@@ -15,7 +15,9 @@ of ranks decides what a resume on M ranks of a save on N does:
   that call alone: DeepSpeed's universal-checkpoint loading, not ours.
 - An engine at ZeRO-0 in fp32 or fp16 keeps its whole optimizer state in its model-state file,
   which does not depend on the number of ranks: it loads as at the same size.
-- An inference-only engine saved nothing; its weights' digest is checked as at the same size.
+- An engine without an optimizer: its parameters (module_state.py) are loaded whole below ZeRO-3,
+  and at ZeRO-3 reassembled from every saved rank's partition and cut for the new ranks; every
+  rank gets rank 0's buffers.
 - The counters (global steps and samples, the accumulation-window position, the loss scale) are
   the engines' and carry over. The RNG states are per rank and are NOT restored: rank r of M
   has no saved state when r >= N, and giving ranks each other's states would make their dropout
@@ -28,7 +30,7 @@ The converted directory starts with '.', holds no manifest, and is never taken f
 a conversion killed half-way leaves ``.<tag>.universal.<digest>.converting``, redone next time.
 The first rank of each disk that holds ``load_dir`` converts that disk's copy and the ranks of that
 disk read it (one filesystem for all ranks: rank 0 alone; node-local disks: one conversion per
-node, see [Note: node-local storage] in checkpoint.py). A node-local copy holds only its own ranks'
+node, see [Note: node-local storage] in set_checkpoint.py). A node-local copy holds only its own ranks'
 optimizer slices, so before a resume at another world size every copy needs the other nodes' slices
 copied in: :func:`missing_slices` names them, and load fails on every rank until they are there.
 """
@@ -100,7 +102,7 @@ def convert(path, names, target):
 def load_universal(engine, root, name):
     """``engine.load_checkpoint(root, tag=name)`` from the universal form, the engine's universal
     switch on for this call alone. Returns what load_checkpoint returns."""
-    from . import compat
+    from .. import compat
     sixteen = engine.bfloat16_enabled() or engine.fp16_enabled()
     if sixteen and engine.zero_optimization_stage() < 3 and not compat.universal_16bit_below_zero3_ok():
         raise RuntimeError(
