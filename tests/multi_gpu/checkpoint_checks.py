@@ -13,6 +13,7 @@ import torch
 import deepspeed_multi
 from deepspeed_multi import checkpoint
 from common import FP32_TOL, MLP, ds_config, full_params
+from frozen_state_checks import _update_teacher
 
 # set name -> chain of (engine name, ZeRO stage, gradient_accumulation_steps, trainable[, dtype])
 SETS = {
@@ -83,10 +84,10 @@ def train(engines, start, stop, overflow_steps=()):
                 engine.step()
 
 
-# Resume on another number of ranks (deepspeed_multi/resize.py): ZeRO 0-3 and an inference-only
-# engine in one set, gas 1 and 2; every step is one global batch of RESIZE_BATCH rows, cut into
-# equal slices, one per rank, so the runs on 2 and on 4 ranks train on the same data (equal up to
-# the order of float sums: compared at FP32_TOL). No global RNG: a resized resume does not restore it.
+# Resume on another number of ranks (deepspeed_multi/checkpoint/resize.py): ZeRO 0-3 and a frozen
+# ZeRO-3 engine updated as an EMA of another in one set, gas 1 and 2; every step is one global batch
+# of RESIZE_BATCH rows, cut into equal slices, one per rank, so the runs on 2 and on 4 ranks train on
+# the same data (equal up to the order of float sums: compared at FP32_TOL). No global RNG: a resized resume does not restore it.
 RESIZE_SET = SETS["mixed"]
 RESIZE_BATCH, RESIZE_SAVE_AT, RESIZE_TOTAL = 8, 2, 6
 
@@ -109,6 +110,8 @@ def train_global_batch(engines, start, stop):
         for engine in engines.values():
             if engine.trains:
                 engine.step()
+        # The frozen ZeRO-3 engine changes too (an EMA of the head): a resize reassembles its partitions.
+        _update_teacher(engines["frozen"].module, engines["head"].module, step, "ema")
 
 
 def save_for_resize(root):

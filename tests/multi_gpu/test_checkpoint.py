@@ -6,6 +6,7 @@ import os
 import signal
 
 import checkpoint_checks as checks
+import frozen_state_checks
 from rank_launcher import run_ranks_to_exit
 from harness import run_distributed
 
@@ -23,6 +24,15 @@ def test_fp16_resume_after_overflow_is_bit_identical(tmp_path):
     sets = sorted(checks.FP16_SETS)
     run_distributed(checks.save_then_continue, str(tmp_path), sets)
     run_distributed(checks.resume_and_compare, str(tmp_path), sets)
+
+
+def test_frozen_engines_that_change_resume(tmp_path):
+    """Engines without an optimizer whose state changes (an EMA teacher and a synced reference at
+    ZeRO-0 and 3, a frozen prior with BatchNorm in train and eval mode at ZeRO-0 and 3) resume
+    bit-identical into engines all built from other weights, and the uninterrupted run equals DDP's
+    (1e-5, buffers rank by rank); an unchanged frozen engine writes nothing at a save."""
+    run_distributed(frozen_state_checks.resume_cases, str(tmp_path), sorted(frozen_state_checks.CASES))
+    run_distributed(frozen_state_checks.disk_cost, str(tmp_path))
 
 
 def test_resume_at_another_world_size(tmp_path):
