@@ -26,7 +26,7 @@ OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_accelerate.p
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-unit test-multi test-deepspeed-suite demo bench test-bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite demo bench test-bench fuzz clean
 
 setup: $(STAMP)
 
@@ -68,8 +68,15 @@ setup-oldest: $(STAMP_OLDEST)
 
 test: test-newest test-oldest
 
-test-newest: setup
+# The wheel check runs first: a file the build leaves out fails in about a minute, not after the suite.
+test-newest: setup test-wheel
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests
+
+# The package as pip installs it (tools/wheel_check.py): the sdist and, from it, the wheel built; the wheel's
+# files checked against the package's; the wheel installed in a fresh venv outside the checkout, where the fused
+# op is built from its csrc/ and the report and the demo run (about 70 s on 2 cores).
+test-wheel: setup
+	$(PY) tools/wheel_check.py
 
 test-oldest: setup-oldest
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV_OLDEST))/torch_extensions \
