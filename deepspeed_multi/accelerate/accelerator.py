@@ -13,8 +13,10 @@ Differences from ``accelerate.Accelerator`` under DeepSpeed (everything else is 
   advances once per update of its engine (wrappers.py).
 * ``clip_grad_norm_``, ``accumulate``, ``get_state_dict`` act on the engine the arguments belong
   to, not on the first one prepared.
-* ``save_state``/``load_state`` leave out models prepared without an optimizer: they never
-  change (rebuild them as they were built), and DeepSpeed cannot checkpoint such a ZeRO-3 engine.
+* ``save_state``/``load_state`` hold every model's state, as DDP's do: a model prepared without an
+  optimizer (an EMA teacher, a synced reference) has its parameters saved by deepspeed_multi
+  (DeepSpeed cannot checkpoint such an engine at ZeRO-3), and every engine's buffers are saved rank
+  by rank (see [Note: buffers rank by rank] in checkpoint/module_state.py).
 * ``free_memory`` destroys every engine it drops (Accelerate destroys its one), so the models
   can be prepared again.
 
@@ -226,22 +228,23 @@ class Accelerator(accelerate.Accelerator):
 
     @contextlib.contextmanager
     def _checkpointed_models(self):
-        """Inference-only engines (prepared without an optimizer) never change, and DeepSpeed cannot
-        checkpoint a ZeRO-3 engine without an optimizer; save_state/load_state leave them out."""
+        """Accelerate saves and loads a DeepSpeed model with its ``save_checkpoint``/``load_checkpoint``:
+        each MultiEngine is handed to it as a :class:`_EngineCheckpoint`, which adds what DeepSpeed's
+        checkpoint leaves out."""
         models = self._models
-        self._models = [m for m in models if not (isinstance(m, ENGINES) and not m.has_optimizer)]
+        self._models = [_EngineCheckpoint(m) if isinstance(m, MultiEngine) else m for m in models]
         try:
             yield
         finally:
             self._models = models
 
     def save_state(self, output_dir=None, safe_serialization=True, **save_model_func_kwargs):
-        """Accelerate's ``save_state``; models prepared without an optimizer are not saved (they never change)."""
+        """Accelerate's ``save_state``, every model's state included (see the module doc)."""
         with self._checkpointed_models():
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
-        """Accelerate's ``load_state``, for the models that ``save_state`` saved."""
+        """Accelerate's ``load_state``: every model's state back, frozen ones included."""
         with self._checkpointed_models():
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
@@ -265,3 +268,27 @@ class Accelerator(accelerate.Accelerator):
         return []
 
 
+class _EngineCheckpoint:
+    """A MultiEngine as ``save_state``/``load_state`` see it: DeepSpeed's checkpoint where it has an
+    optimizer, then its parameters (without one) and this rank's buffers beside it
+    (checkpoint/module_state.py). Anything else is the engine's."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def save_checkpoint(self, save_dir, tag=None, **kwargs):
+        from ..checkpoint import module_state
+        if self._engine.has_optimizer:
+            self._engine.save_checkpoint(save_dir, tag, **kwargs)
+        module_state.save_engine_state(self._engine, os.path.join(save_dir, str(tag)))
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        from ..checkpoint import module_state
+        from ..checkpoint.files import raise_if_any
+        out = self._engine.load_checkpoint(load_dir, tag, **kwargs) if self._engine.has_optimizer else None
+        error = module_state.load_engine_state(self._engine, os.path.join(load_dir, str(tag)), str(tag))
+        raise_if_any(f"deepspeed_multi.accelerate load_state: {error}" if error else None)
+        return out

@@ -144,32 +144,62 @@ def _read_object(root, digest):
 def load_frozen(root, name, engine, record, resized):
     """Restore this engine's parameters from the objects ``record`` names; returns None or the error
     (the caller raises it on every rank)."""
-    rank = dist.get_rank()
     layout = _layout(engine)
     if record["layout"] != layout:
         return f"engine {name!r} was saved with {record['layout']} parameters, given {layout}; build it as it was saved."
     try:
-        if layout == "full":
-            state = _read_object(root, record["ranks"][0 if resized else rank])["tensors"]
-        elif not resized:
-            state = _read_object(root, record["ranks"][rank])
+        if layout == "full" or not resized:
+            state = _read_object(root, record["ranks"][0 if resized else dist.get_rank()])
         else:
             state = _reassemble([_read_object(root, d) for d in record["ranks"]])
     except (OSError, ValueError, RuntimeError) as e:
         return f"engine {name!r}: frozen-state object {e}"
+    return _apply_params(name, engine, state, resized and layout == "zero3")
+
+
+def _apply_params(name, engine, state, reassembled):
     params = dict(engine.module.named_parameters())
-    if set(params) != set(state["tensors"] if layout == "zero3" and not resized else state):
-        saved = set(state["tensors"] if layout == "zero3" and not resized else state)
+    saved = set(state) if reassembled else set(state["tensors"])
+    if set(params) != saved:
         return (f"engine {name!r} ({type(engine.module).__name__}) has parameters {sorted(set(params) - saved)[:4]} "
                 f"the checkpoint lacks, and lacks {sorted(saved - set(params))[:4]}; build the module as it was saved.")
+    if _layout(engine) == "zero3":
+        return _load_partitions(name, params, state, reassembled)
     with torch.no_grad():
-        if layout == "full":
-            for n, p in params.items():
-                if state[n].shape != p.shape:
-                    return f"engine {name!r} parameter {n!r} is {tuple(p.shape)}, saved {tuple(state[n].shape)}."
-                p.data.copy_(state[n].to(p.device, p.dtype))
-            return None
-        return _load_partitions(name, params, state, resized)
+        for n, p in params.items():
+            value = state["tensors"][n]
+            if value.shape != p.shape:
+                return f"engine {name!r} parameter {n!r} is {tuple(p.shape)}, saved {tuple(value.shape)}."
+            p.data.copy_(value.to(p.device, p.dtype))
+    return None
+
+
+# ---------------------------------------------------------------------------------- one engine
+def save_engine_state(engine, directory):
+    """Outside a set checkpoint (Accelerate's ``save_state`` saves engine by engine): this rank's
+    buffers of ``engine``, and its parameters when it has no optimizer, in ``directory``."""
+    state = {"world_size": dist.get_world_size(), "buffers": buffers_of({"": engine})[""]}
+    if not engine.has_optimizer:
+        state["params"] = _rank_state(engine)
+    os.makedirs(directory, exist_ok=True)
+    torch.save(state, os.path.join(directory, f"dsm_module_state_rank{dist.get_rank()}.pt"))
+
+
+def load_engine_state(engine, directory, name):
+    """What :func:`save_engine_state` saved, back into ``engine``; returns None or the error."""
+    path = os.path.join(directory, f"dsm_module_state_rank{dist.get_rank()}.pt")
+    if not os.path.isfile(path):
+        return f"{path} is missing: engine {name!r} was not saved by this deepspeed_multi's save_state."
+    state = torch.load(path, weights_only=True)
+    if state["world_size"] != dist.get_world_size():
+        return (f"{path} was saved by {state['world_size']} ranks, this job has {dist.get_world_size()}; resume on "
+                "as many ranks (deepspeed_multi.save_checkpoint's set checkpoint resumes on another number).")
+    error = restore_buffers({name: engine}, {name: state["buffers"]}, path)
+    if error is None and not engine.has_optimizer:
+        if ("shapes" in state["params"]) != (_layout(engine) == "zero3"):
+            return f"engine {name!r} was saved at another ZeRO stage (3 or not); build it as it was saved."
+        error = _apply_params(name, engine, state["params"], reassembled=False)
+    return error
 
 
 def _reassemble(states):

@@ -54,24 +54,47 @@ def _prepare_chain(acc, names=("a", "b")):
 
 
 def save_load_state(path):
-    """save_state / load_state round trip: two trained engines (ZeRO-2, ZeRO-3) with schedulers and a
-    frozen ZeRO-3 engine; after load_state, training continues exactly as it did after save_state."""
-    acc = _accelerator(a=cfg(2), b=cfg(3), frozen=cfg(3))
+    """save_state / load_state round trip: two trained engines (ZeRO-2, ZeRO-3) with schedulers and
+    frozen engines whose state changes after every step: a ZeRO-3 EMA of engine a, and a ZeRO-0 one
+    with BatchNorm in train mode (its running statistics differ rank by rank). After load_state,
+    training continues exactly as it did after save_state, for every model and buffer."""
+    from frozen_state_checks import Prior, _update_teacher
+    acc = _accelerator(a=cfg(2), b=cfg(3), ema=cfg(3), prior=cfg(0))
     a, b, opts, scheds = _prepare_chain(acc)
-    acc.state.select_deepspeed_plugin("frozen")
-    frozen = acc.prepare(MLP(seed=9).requires_grad_(False))
-    _train_chain(acc, a, b, opts, scheds, 2, 0)
+    acc.state.select_deepspeed_plugin("ema")
+    ema = acc.prepare(MLP(seed=9).requires_grad_(False))
+    acc.state.select_deepspeed_plugin("prior")
+    prior = acc.prepare(Prior(seed=7, bn_train=True))
+
+    def train(start):
+        for step in range(start, start + 2):
+            x, y = _batch(step)
+            acc.backward(((b(prior(a(x))) - y)**2).mean())
+            for opt, sched in zip(opts, scheds):
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            _update_teacher(ema.module, a.module, step, "ema")
+
+    def state():
+        return ({n: full_params(m) for n, m in (("a", a), ("b", b), ("ema", ema), ("prior", prior))},
+                {k: v.clone() for k, v in prior.module.named_buffers()}, [s.get_last_lr() for s in scheds])
+
+    train(0)
     acc.save_state(path)
-    _train_chain(acc, a, b, opts, scheds, 2, 2)
-    want = (full_params(a), full_params(b), [s.get_last_lr() for s in scheds])
+    train(2)
+    want = state()
     acc.load_state(path)
-    _train_chain(acc, a, b, opts, scheds, 2, 2)
-    got = (full_params(a), full_params(b), [s.get_last_lr() for s in scheds])
-    for g, w, name in ((got[0], want[0], "a"), (got[1], want[1], "b")):
-        err = max((g[k] - w[k]).abs().max().item() for k in w)
+    train(2)
+    got = state()
+    for name in want[0]:
+        err = max((got[0][name][k] - want[0][name][k]).abs().max().item() for k in want[0][name])
         assert err <= FP32_TOL, f"load_state then training: engine {name} off by {err:.3e}"
+    for k in want[1]:
+        assert torch.equal(got[1][k], want[1][k]), f"load_state then training: prior buffer {k} on rank " \
+            f"{dist.get_rank()}: {got[1][k]} != {want[1][k]}"
     assert got[2] == want[2], f"learning rates after load_state {got[2]} != {want[2]}"
-    assert acc.unwrap_model(frozen) is frozen.module
+    assert acc.unwrap_model(ema) is ema.module
     return {"save_load_state": "exact"}
 
 
