@@ -77,26 +77,43 @@ def fabric_programs():
 
 def fabric_resume(tmp):
     """fabric.save -> a new Fabric, models built from other weights -> fabric.load -> continue equals the
-    uninterrupted run: two trained engines (ZeRO-2, ZeRO-1, Adam state), a frozen ZeRO-3 engine, a step
-    counter, a tensor and the RNG (the GAN's noise) in one set checkpoint."""
+    uninterrupted run: two trained engines (ZeRO-2, ZeRO-1, Adam state), a frozen ZeRO-3 teacher that
+    changes in place before the save (as an EMA teacher or a synced reference does) and is built from
+    other weights for the resume, a step counter, a tensor and the RNG (the GAN's noise) in one set
+    checkpoint."""
     import os
     configs = dict(GAN, Teacher=zero(3))
 
     def build(seed):
         fabric = multi(configs)
         s = loops.gan_setup(fabric, seed=seed)
-        torch.manual_seed(7)
+        torch.manual_seed(7 + seed)
         s["teacher"] = fabric.setup(loops.Teacher())
         torch.manual_seed(11)
         return fabric, s
 
+    def change_teacher(s):
+        """Halve the teacher's weights in place (ZeRO-3: gathered, rank 0's change broadcast)."""
+        import deepspeed
+        params = list(s["teacher"].parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+            for p in params:
+                p.mul_(0.5)
+
+    def weights(s):
+        return loops.trained_weights({"g": s["g"], "d": s["d"], "t": s["teacher"]})
+
     fabric, s = build(0)
-    full = loops.gan_steps(fabric, s, 0, 4)
-    full_w = loops.trained_weights({"g": s["g"], "d": s["d"]})
+    full = loops.gan_steps(fabric, s, 0, 1)
+    change_teacher(s)
+    loops.gan_steps(fabric, s, 1, 4, out=full)
+    full_w = weights(s)
     done(fabric)
 
     fabric, s = build(0)
-    first = loops.gan_steps(fabric, s, 0, 2)
+    first = loops.gan_steps(fabric, s, 0, 1)
+    change_teacher(s)
+    loops.gan_steps(fabric, s, 1, 2, out=first)
     path = os.path.join(tmp, "fabric_ckpt")
     # D still holds the gradients of G's loss, which a checkpoint cannot hold: the save refuses
     # until they are dropped (the loop drops them anyway before D's next backward).
@@ -105,13 +122,12 @@ def fabric_resume(tmp):
     fabric.save(path, dict(s, extra=torch.arange(3.0) * s["step"]))
     done(fabric)
 
-    fabric, s = build(5)                  # other weights for G and D: the load must replace them
+    fabric, s = build(5)                  # other weights for G, D and the teacher: the load must replace them
     state = dict(s, step=0, extra=torch.zeros(3))
     fabric.load(path, state)
     assert state["step"] == 2 and torch.equal(state["extra"], torch.arange(3.0) * 2), state
     rest = loops.gan_steps(fabric, s, state["step"], 4)
-    loops.compare({"losses": first["losses"] + rest["losses"], "norms": [],
-                   "weights": loops.trained_weights({"g": s["g"], "d": s["d"]})},
+    loops.compare({"losses": first["losses"] + rest["losses"], "norms": [], "weights": weights(s)},
                   {"losses": full["losses"], "norms": [], "weights": full_w}, "resumed GAN vs uninterrupted", tol=0)
     done(fabric)
 
@@ -180,6 +196,36 @@ def trainer_gan(tmp):
     assert trainer.current_epoch == 2 and len(resumed.losses) == 6, (trainer.current_epoch, len(resumed.losses))
     loops.compare({"losses": first.losses + resumed.losses, "norms": [], "weights": tl.weights(resumed)},
                   {"losses": full.losses, "norms": [], "weights": tl.weights(full)}, "resumed Trainer GAN", tol=0)
+
+
+def trainer_ema_distillation_resume(tmp):
+    """A frozen ZeRO-3 teacher that changes every step (beside a ZeRO-2 student) against DDP, then saved
+    by ModelCheckpoint after epoch 1 and resumed with ckpt_path= into a module whose student and
+    teacher are built from other weights: bit-identical to the uninterrupted run."""
+    import os
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    import lightning_trainer_loops as tl
+    from deepspeed_multi.lightning import MultiDeepSpeedTrainerStrategy
+
+    def ours():
+        return MultiDeepSpeedTrainerStrategy(config=copy.deepcopy(BASE), configs={"student": zero(2),
+                                                                                  "teacher": zero(3)})
+
+    ref, _ = tl.fit(DDPStrategy(find_unused_parameters=True), epochs=2, module=tl.EmaDistillation())
+    full, _ = tl.fit(ours(), epochs=2, module=tl.EmaDistillation())
+    loops.compare({"losses": full.losses, "norms": [], "weights": full.final},
+                  {"losses": ref.losses, "norms": [], "weights": ref.final}, "Trainer EMA distillation")
+    ckpt_dir = os.path.join(tmp, "ema_ckpt")
+    first, _ = tl.fit(ours(), epochs=1, module=tl.EmaDistillation(), callbacks=[ModelCheckpoint(dirpath=ckpt_dir,
+                                                                                               save_top_k=-1)])
+    saved = sorted(os.listdir(ckpt_dir))
+    resumed, trainer = tl.fit(ours(), epochs=2, module=tl.EmaDistillation(seed=5),
+                              ckpt_path=os.path.join(ckpt_dir, saved[0]))
+    assert trainer.current_epoch == 2, trainer.current_epoch
+    loops.compare({"losses": first.losses + resumed.losses, "norms": [], "weights": resumed.final},
+                  {"losses": full.losses, "norms": [], "weights": full.final}, "resumed Trainer EMA distillation",
+                  tol=0)
 
 
 def trainer_distillation_and_bad_input():

@@ -91,6 +91,30 @@ class Distillation(pl.LightningModule):
         self.losses.append(float(loss))
 
 
+class EmaDistillation(Distillation):
+    """Distillation whose frozen teacher changes in place after every step, as an EMA teacher does
+    (here it decays: the student has another shape), at ZeRO-3 gathered with rank 0's change
+    broadcast; ``seed`` builds both models from other weights."""
+
+    def __init__(self, seed=1):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.student, self.teacher = Student(), Teacher()
+        self.final = None
+
+    def training_step(self, batch, batch_idx):
+        import deepspeed
+        super().training_step(batch, batch_idx)
+        params = list(self.teacher.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+            for p in params:
+                p.mul_(0.9)
+
+    def on_train_end(self):
+        from common import full_params
+        self.final = {name: full_params(getattr(self, name)) for name in ("student", "teacher")}
+
+
 class Automatic(GAN):
     def __init__(self):
         super().__init__()

@@ -24,5 +24,9 @@ def test_trainer_gan_against_ddp_and_resume(tmp_path):
     run_distributed(checks.trainer_gan, str(tmp_path))
 
 
+def test_trainer_ema_teacher_resume(tmp_path):
+    run_distributed(checks.trainer_ema_distillation_resume, str(tmp_path))
+
+
 def test_trainer_distillation_and_bad_input():
     run_distributed(checks.trainer_distillation_and_bad_input)
