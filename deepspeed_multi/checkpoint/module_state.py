@@ -86,10 +86,11 @@ def _layout(engine):
 
 def _rank_state(engine):
     """This rank's parameter state: ``{"tensors": name -> CPU tensor}``, and at ZeRO-3 the full shapes
-    of the partitioned parameters."""
+    of the partitioned parameters. On CPU the tensors are the parameters' own (hashing reads them;
+    :func:`_owned` copies what is written)."""
     params = list(engine.module.named_parameters())
     if _layout(engine) == "full":
-        return {"tensors": {n: p.detach().cpu().clone() for n, p in params}}
+        return {"tensors": {n: p.detach().cpu() for n, p in params}}
     offload = (engine.zero_optimization() and engine._config.zero_config.offload_param is not None
                and str(engine._config.zero_config.offload_param.device).endswith("nvme"))
     if offload:
@@ -97,8 +98,13 @@ def _rank_state(engine):
             f"deepspeed_multi.save_checkpoint: engine {engine._engine_name()} has no optimizer and offloads its "
             "parameters to NVMe (offload_param.device: nvme); its parameters cannot be read back for the checkpoint. "
             "Offload them to cpu, or build it with an optimizer so that DeepSpeed saves it.")
-    return {"tensors": {n: p.ds_tensor.detach().cpu().clone() for n, p in params},
+    return {"tensors": {n: p.ds_tensor.detach().cpu() for n, p in params},
             "shapes": {n: list(p.ds_shape) for n, p in params}}
+
+
+def _owned(state):
+    """``state`` with tensors of their own (torch.save writes a view's whole storage)."""
+    return dict(state, tensors={n: t.clone() for n, t in state["tensors"].items()})
 
 
 def _digest(state):
@@ -123,7 +129,7 @@ def save_frozen(root, name, engine, disks):
         if not os.path.isfile(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp{os.getpid()}"
-            torch.save(state, tmp)
+            torch.save(_owned(state), tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -180,7 +186,7 @@ def save_engine_state(engine, directory):
     buffers of ``engine``, and its parameters when it has no optimizer, in ``directory``."""
     state = {"world_size": dist.get_world_size(), "buffers": buffers_of({"": engine})[""]}
     if not engine.has_optimizer:
-        state["params"] = _rank_state(engine)
+        state["params"] = _owned(_rank_state(engine))
     os.makedirs(directory, exist_ok=True)
     torch.save(state, os.path.join(directory, f"dsm_module_state_rank{dist.get_rank()}.pt"))
 
