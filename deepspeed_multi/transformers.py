@@ -35,13 +35,33 @@ named role through this Accelerator, frozen and without an optimizer, with the p
 the Accelerator for the whole run (``free_memory`` keeps it). A model whose role is not named
 gets TRL's own treatment. Where TRL then asks whether "DeepSpeed" is at ZeRO-3, the answer is the
 model's own ([Note: TRL's one-config checks] in integrations/trl_stages.py).
+
+[Note: role models in Trainer checkpoints]
+A Trainer checkpoint holds the policy (its DeepSpeed checkpoint), never the reference, reward or
+teacher models: "frozen" is taken to mean "unchanged". They do change: ``sync_ref_model=True`` mixes
+the policy into DPO's reference every ``ref_model_sync_steps`` (TR-DPO), and a teacher may be an EMA.
+A resumed TRL run (DDP or upstream DeepSpeed) then goes on with the reference the script builds,
+the initial policy's weights, and leaves the uninterrupted run at the next step that reads it. Here
+each role engine prepared without an optimizer (``ref_model``, ``teacher_model``,
+``reward_funcs_<i>``) saves its parameters (at ZeRO-3 each rank's partitions) and this rank's
+buffers into ``<checkpoint-N>/dsm_module_state/<role>/`` after the policy's checkpoint and before
+``trainer_state.json``, and ``train(resume_from_checkpoint=...)`` loads them after the policy's
+(checkpoint/module_state.py, same number of ranks). The policy's engine adds this rank's buffers
+there (``model/``) when its module has persistent ones: DeepSpeed's checkpoint gives every rank
+rank 0's ([Note: buffers rank by rank]); a model in parts saves them in its own set checkpoint. A
+checkpoint without that folder (an earlier release) resumes as before, with a warning. The hooks are
+``_save_optimizer_and_scheduler`` and ``_load_optimizer_and_scheduler``, which Trainer calls only
+there, with the checkpoint's folder.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
+import glob
+import logging
 import math
+import os
 import sys
 
 
@@ -54,6 +74,8 @@ from .parts.engine import PartedEngine
 from .integrations import trl_stages
 from .integrations.engine_steps import caller_owns_accumulation
 from .switches import ALLOW_UNTESTED_TRAINERS
+
+logger = logging.getLogger(__name__)
 
 # The releases (major.minor) deepspeed_multi.transformers is measured with (tests/multi_gpu/test_trainer.py):
 # make test runs the newest in full (requirements-test.txt) and the oldest transformers beside the oldest
@@ -253,6 +275,62 @@ def _train(self, *args, **kwargs):
         return self._dsm_base.train(self, *args, **kwargs)
 
 
+# ---------------------------------------------------------------------------- checkpoints
+STATE_DIR = "dsm_module_state"
+
+
+def _state_engines(trainer) -> dict:
+    """Name -> engine whose module state a Trainer checkpoint leaves out ([Note: role models in Trainer
+    checkpoints]): the role engines without an optimizer, and the policy's engine if it has buffers."""
+    out = {}
+    for role in ROLES:
+        value = getattr(trainer, role, None)
+        items = enumerate(value) if role == "reward_funcs" and isinstance(value, (list, tuple)) else [(None, value)]
+        for i, engine in items:
+            if isinstance(engine, MultiEngine) and not engine.has_optimizer:
+                out[role if i is None else f"{role}_{i}"] = engine
+    policy = trainer.model_wrapped
+    if isinstance(policy, MultiEngine) and policy.has_optimizer:
+        from .checkpoint import module_state
+        if module_state.persistent_buffers(policy.module):
+            out["model"] = policy
+    return out
+
+
+def _save_optimizer_and_scheduler(self, output_dir):
+    self._dsm_base._save_optimizer_and_scheduler(self, output_dir)
+    from .checkpoint import module_state
+    for name, engine in _state_engines(self).items():
+        module_state.save_engine_state(engine, os.path.join(output_dir, STATE_DIR, name))
+
+
+def _load_optimizer_and_scheduler(self, checkpoint):
+    self._dsm_base._load_optimizer_and_scheduler(self, checkpoint)
+    engines = _state_engines(self) if checkpoint is not None else {}
+    if not engines:
+        return
+    from .checkpoint import module_state
+    from .checkpoint.files import raise_if_any
+    import deepspeed.comm as dist
+    saved = {n: os.path.join(checkpoint, STATE_DIR, n) for n in engines}
+    missing = [n for n, d in saved.items() if not os.path.isdir(d)]
+    # DeepSpeed's load gave every rank rank 0's buffers; on another number of ranks the policy keeps those.
+    other_world = [n for n, d in saved.items() if n == "model" and n not in missing
+                   and len(glob.glob(os.path.join(d, "dsm_module_state_rank*.pt"))) != dist.get_world_size()]
+    if (missing or other_world) and dist.get_rank() == 0:
+        if missing:
+            logger.warning("deepspeed_multi: %s holds no state of %s (%s is missing: saved by an earlier release); "
+                           "they resume as this script built them.", checkpoint, missing, STATE_DIR)
+        if other_world:
+            logger.warning("deepspeed_multi: %s was saved on another number of ranks; every rank of the trained "
+                           "model resumes with rank 0's buffers.", checkpoint)
+    error = None
+    for name, engine in engines.items():
+        if error is None and name not in missing + other_world:
+            error = module_state.load_engine_state(engine, saved[name], name)
+    raise_if_any(f"deepspeed_multi: resume_from_checkpoint={checkpoint!r}: {error}" if error else None)
+
+
 def check_versions(cls) -> None:
     """The Trainer code paths this module relies on are those of the tested releases (TESTED)."""
     import importlib.metadata as md
@@ -281,6 +359,8 @@ def multi_engine_trainer(cls):
         "__init__": _init,
         "create_accelerator_and_postprocess": _create_accelerator_and_postprocess,
         "train": _train,
+        "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
+        "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
         **{name: _per_model_zero3(name) for name in ("evaluate", "predict")},
     })
 
