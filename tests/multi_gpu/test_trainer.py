@@ -61,7 +61,7 @@ def test_trl_trainers_with_per_role_configs():
     """TRL's trainers through multi_engine_trainer, each extra model at ZeRO-3 via deepspeed_roles,
     against the same TRL trainer under DDP (losses, grad_norm, LR, final weights exact; the engines'
     stages asserted): SFTTrainer (ZeRO-2, and ZeRO-3 with packing, gas 2), DPOTrainer (policy ZeRO-2, gas
-    1 and 2, and sync_ref_model; a LoRA policy at ZeRO-2
+    1 and 2 (sync_ref_model: the next test); a LoRA policy at ZeRO-2
     and ZeRO-3 without a reference model), GRPOTrainer (policy
     ZeRO-2 gas 1 with a reward model, policy ZeRO-3 generating at gas 2), RLOOTrainer (gas 2,
     reference and reward model), DistillationTrainer (teacher, gas 1 and 2), and the experimental
@@ -78,3 +78,12 @@ def _trl():
     checks.distillation_vs_ddp()
     checks.online_dpo_vs_ddp()
     checks.gkd_vs_ddp()
+
+
+def test_trainer_dpo_sync_ref_model_resume():
+    """DPOTrainer(sync_ref_model=True), policy ZeRO-2, reference ZeRO-3 (deepspeed_roles): matches DDP, and
+    resume_from_checkpoint past a sync is bit-identical to the uninterrupted run (policy, synced reference,
+    every logged value), with the script's reference built from the initial policy or from other weights;
+    a checkpoint without the role state (an earlier release) resumes as TRL under DDP does, with a warning."""
+    pytest.importorskip("trl")
+    run_distributed(checks.dpo_sync_ref_resume, timeout_s=300)

@@ -114,8 +114,12 @@ def _shared_tmp():
 
 
 def _full_weights(trainer):
+    return _weights_of(trainer.model_wrapped)
+
+
+def _weights_of(model):
+    """The full weights by name of a module, a DDP-wrapped one or an engine (ZeRO-3 gathered)."""
     import deepspeed
-    model = trainer.model_wrapped
     module = getattr(model, "module", model)
     params = dict(module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
@@ -302,14 +306,30 @@ def preference_data(n=32, seed=3):
     return Dataset.from_list(rows)
 
 
-def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False, lora=False):
+def _count_tokens(model):
+    """A persistent buffer of ``model`` that each rank's forward passes change with its own data, as
+    BatchNorm's running statistics do (it does not enter the outputs)."""
+    model.register_buffer("dsm_tokens_seen", torch.zeros(()))
+
+    def count(module, args, kwargs):
+        module.dsm_tokens_seen += kwargs.get("input_ids", args[0] if args else None).float().sum()
+    model.register_forward_pre_hook(count, with_kwargs=True)
+
+
+def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False, lora=False, resume=None, ref_from_policy=True,
+            count_tokens=False, **args):
     """``lora``: a LoRA policy (``peft_config``) and no reference model: TRL's reference is the policy
-    with its adapters disabled."""
+    with its adapters disabled. ``ref_from_policy=False``: the reference starts from other weights.
+    ``count_tokens``: the policy gets a per-rank buffer (_count_tokens). ``resume``:
+    ``train(resume_from_checkpoint=resume)``; ``args``: more of the DPOConfig."""
     from trl import DPOConfig
     _fresh_process_state()
     policy, reference = causal_lm(), causal_lm()
-    reference.load_state_dict(policy.state_dict())
-    args = _trl_args(DPOConfig, gas, deepspeed, beta=0.5,
+    if ref_from_policy:
+        reference.load_state_dict(policy.state_dict())
+    if count_tokens:
+        _count_tokens(policy)
+    args = _trl_args(DPOConfig, gas, deepspeed, beta=0.5, **args,
                      **(dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5) if sync else {}))
     kw = {} if roles is None else {"deepspeed_roles": roles}
     if lora:
@@ -318,13 +338,14 @@ def run_dpo(trainer_cls, gas, deepspeed=None, roles=None, sync=False, lora=False
                                                         lora_dropout=0.0)
     trainer = trainer_cls(model=policy, ref_model=reference, args=args, train_dataset=preference_data(),
                           processing_class=word_tokenizer(), **kw)
-    return _train(trainer)
+    return _train(trainer, resume)
 
 
-def dpo_vs_ddp(cases=((1, False), (2, False), (1, True))):
+def dpo_vs_ddp(cases=((1, False), (2, False))):
     """DPO with the reference at ZeRO-3 beside a ZeRO-2 policy (deepspeed_roles) against DDP DPO;
-    ``cases``: (gas, sync_ref_model: the policy mixed into the reference every 2 steps). Then a LoRA
-    policy without a reference model (ZeRO-2 and ZeRO-3), as TRL users commonly run DPO."""
+    ``cases``: (gas, sync_ref_model: the policy mixed into the reference every 2 steps; gas 1 with it
+    runs in dpo_sync_ref_resume, which resumes it too). Then a LoRA policy without a reference model
+    (ZeRO-2 and ZeRO-3), as TRL users commonly run DPO."""
     from trl import DPOTrainer
 
     from deepspeed_multi.transformers import multi_engine_trainer
@@ -345,6 +366,90 @@ def dpo_vs_ddp(cases=((1, False), (2, False), (1, True))):
         assert [e.zero_optimization_stage() for e in trainer.accelerator.engines()] == [stage]
         assert any("lora_" in n for n in weights), "no LoRA weights trained"
         compare((logs, weights), want[:2], f"DPO with a LoRA policy at ZeRO-{stage}, its adapters off for reference")
+    return dist.get_rank()
+
+
+DPO_SYNC_SAVE_AT = 3  # past the first sync (step 2), before the next (step 4)
+
+
+def _dpo_checkpoint(trainer, step=DPO_SYNC_SAVE_AT):
+    return os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
+
+
+def dpo_sync_resume_under_ddp(gas=1):
+    """What TRL under DDP does on resume with ``sync_ref_model=True``: the Trainer's checkpoint holds no
+    reference, so the resumed run's reference is the one the script builds (the initial policy's
+    weights) instead of the synced one. Returns the resumed run's largest difference from the
+    uninterrupted run: (final policy weights, final reference weights, logged loss)."""
+    from trl import DPOTrainer
+    *whole, trainer = run_dpo(DPOTrainer, gas, sync=True, save_strategy="steps", save_steps=DPO_SYNC_SAVE_AT)
+    ref = _weights_of(trainer.ref_model)
+    *resumed, again = run_dpo(DPOTrainer, gas, sync=True, resume=_dpo_checkpoint(trainer))
+    rref = _weights_of(again.ref_model)
+    policy = max((resumed[1][n] - whole[1][n]).abs().max().item() for n in whole[1])
+    reference = max((rref[n] - ref[n]).abs().max().item() for n in ref)
+    loss = max(abs(g["loss"] - w["loss"]) for g, w in zip(resumed[0], whole[0]))
+    return policy, reference, loss, [[(h["step"], h["loss"]) for h in logs] for logs in (whole[0], resumed[0])]
+
+
+def dpo_sync_ref_resume(gas=1):
+    """DPO with ``sync_ref_model=True`` (every 2 steps, mixup 0.5), policy ZeRO-2, reference ZeRO-3 via
+    deepspeed_roles, a checkpoint every 3 steps: the uninterrupted run matches DDP DPO; its checkpoint at
+    step 3 (past the first sync) holds the synced reference, and a run resumed from it in a new trainer
+    ends bit-identical to the uninterrupted one (final policy and reference weights, every logged value,
+    each rank's policy buffer: _count_tokens), whether the restarted script builds the reference from the
+    initial policy, as before, or from other weights. A checkpoint without our folder (an earlier release)
+    resumes with a warning, with the reference the script builds, as TRL under DDP resumes (equal to DDP's
+    resumed run; the figures: dpo_sync_resume_under_ddp)."""
+    import logging
+    import shutil
+
+    from trl import DPOTrainer
+
+    from deepspeed_multi.transformers import STATE_DIR, multi_engine_trainer
+    cls, cfg = multi_engine_trainer(DPOTrainer), ds_config(2, gas, None)
+    roles = {"ref_model": {"zero_optimization": {"stage": 3}}}
+    save = dict(save_strategy="steps", save_steps=DPO_SYNC_SAVE_AT, count_tokens=True)
+    want = run_dpo(DPOTrainer, gas, sync=True, **save)
+    *whole, trainer = run_dpo(cls, gas, deepspeed=cfg, roles=roles, sync=True, **save)
+    compare(whole, want[:2], f"DPO gas {gas}, sync_ref_model, policy ZeRO-2, reference ZeRO-3")
+    ref = _weights_of(trainer.ref_model)
+    seen = trainer.model.dsm_tokens_seen.item()
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, seen)
+    assert len(set(ranks)) == len(ranks), f"the ranks' policy buffers must differ for the check: {ranks}"
+    checkpoint = _dpo_checkpoint(trainer)
+    assert sorted(os.listdir(os.path.join(checkpoint, STATE_DIR))) == ["model", "ref_model"], os.listdir(checkpoint)
+    for from_policy in (True, False):
+        what = f"DPO sync_ref_model resumed at step {DPO_SYNC_SAVE_AT}, the script's reference built from " + \
+            ("the initial policy" if from_policy else "other weights")
+        *resumed, again = run_dpo(cls, gas, deepspeed=cfg, roles=roles, sync=True, resume=checkpoint,
+                                  ref_from_policy=from_policy, **save)
+        compare_bitwise(resumed, whole, what)
+        # Every logged value; TRL's num_tokens count is not in the Trainer's checkpoint (it restarts, as under DDP).
+        logged = [[{k: v for k, v in h.items() if k != "num_tokens"} for h in logs] for logs in (resumed[0], whole[0])]
+        assert logged[0] == logged[1], f"{what}: logs differ\n{logged[0]}\n{logged[1]}"
+        got = _weights_of(again.ref_model)
+        err = max((got[n] - ref[n]).abs().max().item() for n in ref)
+        assert err == 0, f"{what}: final reference weights differ from the uninterrupted run's by {err:.3e}"
+        assert again.model.dsm_tokens_seen.item() == seen, \
+            f"{what}: rank {dist.get_rank()}'s policy buffer {again.model.dsm_tokens_seen.item()}, uninterrupted {seen}"
+    older = checkpoint + "-older"
+    if dist.get_rank() == 0:
+        shutil.copytree(checkpoint, older, ignore=shutil.ignore_patterns(STATE_DIR))
+    dist.barrier()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("deepspeed_multi.transformers").addHandler(handler)
+    try:
+        got = run_dpo(cls, gas, deepspeed=cfg, roles=roles, sync=True, resume=older, **save)
+    finally:
+        logging.getLogger("deepspeed_multi.transformers").removeHandler(handler)
+    warned = [r.getMessage() for r in records if STATE_DIR in r.getMessage()]
+    assert len(warned) == (dist.get_rank() == 0) and all("['ref_model', 'model']" in w for w in warned), warned
+    ddp = run_dpo(DPOTrainer, gas, sync=True, resume=_dpo_checkpoint(want[2]), **save)
+    compare(got[:2], ddp[:2], "DPO sync_ref_model resumed from a checkpoint without our folder, vs DDP resumed")
     return dist.get_rank()
 
 
