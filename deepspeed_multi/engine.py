@@ -62,6 +62,7 @@ class MultiEngine(DeepSpeedEngine):
         self._nonfinite = self._skip_watch = None  # skip_group: non-finite flag, gradient watches
         self._skip_decisions, self._updates_done = {}, 0  # skip_group: round -> decision, rounds
         self._dsm_dp_ranks = None  # dp_groups: the ranks this engine averages over
+        self._dsm_autotp_block = None  # dp_groups: AutoTP's tensor-parallel block size, on DeepSpeed's groups
         # Micro-steps since the last update. DeepSpeed runs unmanaged (every super().step()
         # updates); this engine keeps DeepSpeed's managed meaning of gradient_accumulation_steps
         # unless the user configured managed_gradient_accumulation=false.

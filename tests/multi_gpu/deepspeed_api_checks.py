@@ -250,3 +250,119 @@ def all_deepspeed_api():
     set_boundary_refused_when_user_unmanaged()
     zero3_partition_assigned()
     zero3_offload_local_grads()
+
+
+# --------------------------------------------------------------- AutoTP and ZeRO-3 leaf modules beside other engines
+def _llama_batch(step):
+    """The same batch on every rank: the ranks of an AutoTP block are one data-parallel replica."""
+    from hf_models import tokens
+    g = torch.Generator().manual_seed(700 + step)
+    return torch.randn(4, 6, 8, generator=g), tokens(g, 4, 6)
+
+
+def _autotp_full_params(engine):
+    """Name -> full copy of every parameter: ZeRO-3 partitions gathered, then AutoTP's shards."""
+    import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+    out, module = {}, engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        for prefix, sub in module.named_modules():
+            own = list(sub.named_parameters(recurse=False))
+            with GatherReplacedLayerParams([p for _, p in own], sub, enabled=bool(own)):
+                out.update({(prefix + "." if prefix else "") + n: p.detach().float().clone() for n, p in own})
+    return out
+
+
+def _encoder_into_llama(enc_stage, llm_stage, llm_extra, llm_setup=None, steps=3):
+    """An encoder MLP engine feeding a tiny Llama engine through inputs_embeds, one loss.backward() per
+    step, against plain PyTorch on the same batch; returns the largest error of either engine."""
+    import copy
+
+    from deepspeed.utils import groups
+    from hf_models import causal_lm
+    torch.manual_seed(0)
+    llm, enc = causal_lm(), MLP(d_in=8, d_hidden=32, d_out=16, seed=3)
+    ref_llm, ref_enc = copy.deepcopy(llm), copy.deepcopy(enc)
+    if llm_setup is not None:
+        llm_setup(llm)
+    try:
+        e_enc = deepspeed_multi.initialize(model=enc, optimizer=torch.optim.SGD(enc.parameters(), lr=0.1),
+                                           config=ds_config(enc_stage))[0]
+        e_llm = deepspeed_multi.initialize(model=llm, optimizer=torch.optim.SGD(llm.parameters(), lr=0.1),
+                                           config=ds_config(llm_stage, **llm_extra))[0]
+        opt = torch.optim.SGD(list(ref_llm.parameters()) + list(ref_enc.parameters()), lr=0.1)
+        for step in range(steps):
+            x, ids = _llama_batch(step)
+            e_llm(inputs_embeds=e_enc(x), labels=ids).loss.backward()
+            e_enc.step()
+            e_llm.step()
+            ref_llm(inputs_embeds=ref_enc(x), labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        errs = []
+        for got, ref in ((_autotp_full_params(e_llm), ref_llm), (full_params(e_enc), ref_enc)):
+            errs += [(got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()]
+        return e_enc, e_llm, max(errs)
+    finally:
+        groups.mpu = None  # an AutoTP engine leaves deepspeed.utils.groups as the process-wide mpu
+
+
+def autotp_beside_an_engine_without_tp(enc_stage, llm_stage):
+    """A ZeRO-2/3 encoder (data-parallel group: both ranks) feeding an AutoTP Llama (autotp_size 2: its
+    data-parallel group is the rank alone) with no opt-in: exact ([Note: AutoTP engines beside
+    engines without tensor parallelism] in dp_groups.py); the refusal without AutoTP is test_misuse.py's."""
+    from deepspeed_multi.reliability import dp_groups
+    e_enc, e_llm, err = _encoder_into_llama(enc_stage, llm_stage, {"tensor_parallel": {"autotp_size": 2}})
+    assert e_enc._dsm_dp_ranks == (0, 1) and e_llm._dsm_dp_ranks == (dist.get_rank(), ), "not on different groups"
+    assert e_llm._dsm_autotp_block == 2 and not dp_groups._DpGroups.mixed
+    assert err <= FP32_TOL, f"encoder ZeRO-{enc_stage} -> AutoTP Llama ZeRO-{llm_stage}: max abs error {err:.3e}"
+    for e in (e_enc, e_llm):
+        e.destroy()
+
+
+def autotp_keeps_refusing_engines_on_different_groups():
+    """Beside an AutoTP engine, a backward through two engines without tensor parallelism on different
+    groups (one with an mpu of its own) is still refused; one through the AutoTP engine is exact."""
+    from deepspeed.utils import groups
+    from misuse_checks import TinyMpu
+    rank = dist.get_rank()
+    e_enc, e_llm, err = _encoder_into_llama(2, 1, {"tensor_parallel": {"autotp_size": 2}}, steps=1)
+    head = MLP(d_in=16, d_hidden=8, d_out=1, seed=4)
+    try:
+        e_head = deepspeed_multi.initialize(model=head, optimizer=torch.optim.SGD(head.parameters(), lr=0.1),
+                                            config=ds_config(2), mpu=TinyMpu([[0, 1]]))[0]
+    finally:
+        groups.mpu = None
+    x, _ = _llama_batch(0)
+    expect_error(RuntimeError, lambda: e_head(e_enc(x)).mean().backward(),
+                 "one backward pass reaches engines on different data-parallel groups",
+                 f"MultiEngine (MLP) averages its gradients over ranks [0, 1], MultiEngine (MLP) over ranks [{rank}]")
+    assert err <= FP32_TOL, f"max abs error {err:.3e}"
+    for e in (e_enc, e_llm, e_head):
+        e.destroy()
+
+
+def z3_leaf_mlp_beside_an_encoder(enc_stage):
+    """ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules) on a Llama's MLP blocks, the Llama fed by
+    an encoder engine: exact (docs/limits.md: a LlamaAttention leaf fails, upstream too)."""
+    import transformers.models.llama.modeling_llama as llama
+    from deepspeed.utils import set_z3_leaf_modules
+    e_enc, e_llm, err = _encoder_into_llama(enc_stage, 3, {},
+                                            llm_setup=lambda m: set_z3_leaf_modules(m, [llama.LlamaMLP]))
+    assert err <= FP32_TOL, f"encoder ZeRO-{enc_stage} -> ZeRO-3 Llama with LlamaMLP leaves: max abs error {err:.3e}"
+    for e in (e_enc, e_llm):
+        e.destroy()
+
+
+def all_autotp_and_leaves():
+    import time
+    times = {}
+    for enc_stage in (2, 3):
+        for llm_stage in (0, 1, 2, 3):
+            start = time.perf_counter()
+            autotp_beside_an_engine_without_tp(enc_stage, llm_stage)
+            times[f"autotp enc{enc_stage} llm{llm_stage}"] = round(time.perf_counter() - start, 2)
+    autotp_keeps_refusing_engines_on_different_groups()
+    for enc_stage in (2, 3):
+        z3_leaf_mlp_beside_an_encoder(enc_stage)
+    return times

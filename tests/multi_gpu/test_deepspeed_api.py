@@ -7,3 +7,10 @@ def test_deepspeed_api_uses():
     """FusedAdam-style zero_grad(), requires_grad off at ZeRO-1/2/3, set_gradient_accumulation_boundary,
     an assigned ZeRO-3 partition, offloaded ZeRO-3 local gradients between backward and step."""
     run_distributed(checks.all_deepspeed_api, timeout_s=600)
+
+
+def test_autotp_and_z3_leaves_beside_other_engines():
+    """An AutoTP Llama (autotp_size 2, ZeRO 0-3) fed by a ZeRO-2/3 encoder with no opt-in, exact; engines
+    without tensor parallelism on different groups still refused beside it; ZeRO-3 LlamaMLP leaves
+    fed by an encoder, exact."""
+    run_distributed(checks.all_autotp_and_leaves, timeout_s=300)

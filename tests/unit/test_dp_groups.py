@@ -16,8 +16,8 @@ from deepspeed_multi.engine import _ForwardRecord
 class Engine:
     trains = True
 
-    def __init__(self, name, dp_ranks, allow=False):
-        self.name, self.prologues = name, 0
+    def __init__(self, name, dp_ranks, allow=False, autotp=None):
+        self.name, self.prologues, self.autotp = name, 0, autotp
         self.weight = torch.nn.Parameter(torch.tensor([1.5, -2.0, 0.5]))
         self._trainable_params = [self.weight]
         self.options = MultiOptions(allow_mixed_dp_groups=allow)
@@ -47,6 +47,7 @@ def fresh_registry(monkeypatch):
     monkeypatch.setattr(dp_groups._DpGroups, "checked_task", None)
     monkeypatch.setattr(dp_groups._DpGroups, "verified", set())
     monkeypatch.setattr(dp_groups, "_dp_group_ranks", lambda e: tuple(e.seq_data_parallel_group))
+    monkeypatch.setattr(dp_groups, "_autotp_block", lambda e: e.autotp)  # (DeepSpeed's AutoTP block size)
     scans = []
     real = dp_groups.graph.any_param_in_current_graph
     monkeypatch.setattr(dp_groups.graph, "any_param_in_current_graph", lambda params: scans.append(1) or real(params))
@@ -99,3 +100,38 @@ def test_a_loss_per_group_is_fine_and_scanned_once_per_pass(fresh_registry):
     gc.collect()
     a(x).sum().backward()
     assert len(fresh_registry) == 4 and not dp_groups._DpGroups.mixed
+
+
+# [Note: AutoTP engines beside engines without tensor parallelism], on 4 ranks with autotp_size 2:
+# blocks {0, 1} and {2, 3}; the AutoTP engine's data-parallel group on rank 0 is (0, 2).
+def test_autotp_beside_the_world_needs_no_opt_in_and_costs_nothing(fresh_registry):
+    a, t = _engines(("Enc", (0, 1, 2, 3)), ("Llama", (0, 2), False, 2))
+    t(a(torch.randn(3))).sum().backward()
+    assert not dp_groups._DpGroups.mixed and fresh_registry == [] and a.prologues == t.prologues == 1
+
+
+def test_autotp_beside_an_engine_on_part_of_its_blocks_is_refused():
+    """(0, 1) is block 0 twice and block 1 never: it averages other data than the AutoTP engine."""
+    a, t = _engines(("Enc", (0, 1)), ("Llama", (0, 2), False, 2))
+    with pytest.raises(RuntimeError, match=r"MultiEngine \(Enc\) averages its gradients over ranks \[0, 1\], "
+                       r"MultiEngine \(Llama\) over ranks \[0, 2\]"):
+        t(a(torch.randn(3))).sum().backward()
+    assert a.prologues == t.prologues == 0
+
+
+def test_engines_without_tp_on_different_groups_are_refused_beside_autotp(fresh_registry):
+    """The replication comes from the AutoTP engine being in the loss: two engines without tensor
+    parallelism on different groups (a user mpu) are refused when the backward skips it, allowed with it."""
+    a, c, t = _engines(("Enc", (0, 1, 2, 3)), ("Head", (0, 2)), ("Llama", (0, 2), False, 2))
+    assert dp_groups._DpGroups.mixed
+    x = torch.randn(3)
+    with pytest.raises(RuntimeError, match=r"MultiEngine \(Enc\) averages .* MultiEngine \(Head\) over ranks \[0, 2\]"):
+        c(a(x)).sum().backward()
+    c(t(a(x))).sum().backward()
+    assert a.prologues == c.prologues == t.prologues == 1
+
+
+def test_autotp_not_on_deepspeeds_groups_is_compared_by_ranks():
+    a, t = _engines(("Enc", (0, 1, 2, 3)), ("Llama", (0, 2)))  # no block: a user mpu, say
+    with pytest.raises(RuntimeError, match="different data-parallel groups"):
+        t(a(torch.randn(3))).sum().backward()
