@@ -46,6 +46,7 @@ def prepare_engine_config(config: dict):
     which case every step() updates.
     """
     options = MultiOptions.from_config(config)
+    _refuse_deepcompile(config)
     user_managed = config.get(MANAGED_GRADIENT_ACCUMULATION, True) is False
     config[MANAGED_GRADIENT_ACCUMULATION] = False
     stage = zero_stage(config)
@@ -67,6 +68,24 @@ def prepare_engine_config(config: dict):
                          "gradient accumulation, which 0.19.4 refuses with offload and 0.19.5-0.19.7 get wrong with "
                          "bf16 and fp32 gradient accumulation. Install deepspeed==0.19.8, or remove the offload.")
     return config, user_managed, options
+
+
+def _refuse_deepcompile(config: dict) -> None:
+    """DeepCompile compiles the engine's backward with DeepSpeed's own prologue and epilogue in it
+    and needs DeepSpeed to own gradient accumulation (``managed_gradient_accumulation``, the
+    boundary it passes to its compiled backward). A MultiEngine runs unmanaged and calls the
+    prologue/epilogue from autograd hooks ([Note: who owns the gradient-accumulation boundary]),
+    so DeepSpeed would refuse it with a bare ``AssertionError`` in the engine's constructor."""
+    if (config.get("compile") or {}).get("deepcompile") is True:
+        raise NotImplementedError(
+            "deepspeed_multi does not support DeepCompile (compile.deepcompile=true): DeepCompile compiles the "
+            "engine's backward with DeepSpeed's gradient-accumulation boundary in it, so it needs DeepSpeed to own "
+            "gradient accumulation and the backward (managed_gradient_accumulation, engine.backward(loss)), while "
+            "deepspeed_multi runs every engine unmanaged and calls the backward prologue and epilogue from autograd "
+            "hooks so that one loss.backward() can reach several engines (DeepSpeed refuses that combination: "
+            "'managed_gradient_accumulation=False is not supported with DeepCompile'). Build this engine with "
+            "deepspeed.initialize and train it with engine.backward(loss) and engine.step() in a loss of its own, "
+            "or drop compile.deepcompile from its config (engine.compile() without DeepCompile is supported).")
 
 
 OPTIONS_KEY = "deepspeed_multi"
