@@ -115,7 +115,9 @@ class MultiOptions:
     allow_mixed_dp_groups: allow one backward pass to reach this engine and engines on other
         data-parallel groups (another ``mpu``); every engine of that backward must allow it.
         Right only when the data is replicated across each model-parallel group, so that every
-        engine's data-parallel average is the same average (see misuse.check_dp_groups).
+        engine's data-parallel average is the same average (see dp_groups.check_dp_groups). Not
+        needed beside an AutoTP engine (``tensor_parallel.autotp_size``), whose groups DeepSpeed
+        builds: [Note: AutoTP engines beside engines without tensor parallelism].
     """
     fused_reduce: bool = True
     skip_group: Optional[str] = None
