@@ -3,9 +3,11 @@
 Correctness (always): ``buffers`` (gradients kept and discarded with PyTorch's meaning),
 ``stage3_counters`` (a retained graph backpropagated again at ZeRO-3), the direct-use check
 (``autograd.outside_use``), ``stage3_predivide`` (ZeRO-3 averaging at
-``gradient_predivide_factor`` == world size), ``offload_grads`` (no stale gradient
-after a window without one under CPU offload) and ``stage12_round_robin`` (each parameter linked to
-its own fp32 slice under ``round_robin_gradients``), the last three installed here before the fast paths. Fast paths
+``gradient_predivide_factor`` == world size), ``sequence_parallel`` (averaging over the
+sequence-data-parallel group under Ulysses SP at ZeRO-1/2; DeepSpeed's tiled loss refused there),
+``offload_grads`` (no stale gradient after a window without one under CPU offload) and
+``stage12_round_robin`` (each parameter linked to its own fp32 slice under ``round_robin_gradients``),
+the last four installed here before the fast paths. Fast paths
 (each gives DeepSpeed's bits, each checked by ``compat.fast_path_exact`` and skipped where it
 does not apply):
 
@@ -44,9 +46,10 @@ import logging
 
 from .. import ops
 from ..switches import FUSED_ZERO, switch_on
-from . import (bucket_size, master_alias, offload_grads, stage3_cast_on_gather, stage3_grad_view, stage3_joined_fetch,
-               stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_scatter, stage12_bucket_pack,
-               stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce, stage12_round_robin)
+from . import (bucket_size, master_alias, offload_grads, sequence_parallel, stage3_cast_on_gather, stage3_grad_view,
+               stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_scatter,
+               stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce,
+               stage12_round_robin)
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
@@ -56,6 +59,7 @@ def install(optimizer, fused_reduce: bool) -> dict:
     """Install every fast path that applies to ``optimizer``, in the order of the Note; return
     ``{feature: installed}``. ``fused_reduce`` is the config option."""
     done = {stage3_predivide.FEATURE: stage3_predivide.install(optimizer),
+            sequence_parallel.FEATURE: sequence_parallel.install(optimizer),
             offload_grads.FEATURE: offload_grads.install(optimizer),
             # before master_alias, whose relink of the fp32 fragments then goes through it
             stage12_round_robin.FEATURE: stage12_round_robin.install(optimizer)}

@@ -17,6 +17,7 @@ from typing import Optional
 from torch import Tensor
 
 from .. import compat, ops
+from . import sequence_parallel
 from .runs import SUPPORTED_DTYPES, run_view
 
 FEATURE = "stage12_reduce"
@@ -40,7 +41,7 @@ def _bucket_as_run(self, small_bucket, communication_data_type) -> Optional[Tens
     across ranks either way).
     """
     from deepspeed.runtime.zero import stage_1_and_2
-    if stage_1_and_2.pg_correctness_test or self.sequence_parallel_size > 1:
+    if stage_1_and_2.pg_correctness_test or sequence_parallel.size(self) > 1:
         return None  # allreduce_bucket converts to fp32 there
     if any(t.dtype != communication_data_type for t in small_bucket):
         return None
