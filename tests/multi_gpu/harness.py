@@ -42,7 +42,8 @@ def _close_pool():
 
 def run_distributed(fn, *args, world_size: int = None, timeout_s: float = DEFAULT_TIMEOUT_S, fresh: bool = False,
                     **kwargs):
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; fail with the failing rank's traceback.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; fail with the failing rank's traceback;
+    return what each rank returned, by rank.
 
     The ranks are the session's pool, reused from test to test; ``fresh=True`` starts new ranks for
     this run alone (a test that changes process-wide state it cannot undo). ``world_size``
@@ -50,8 +51,8 @@ def run_distributed(fn, *args, world_size: int = None, timeout_s: float = DEFAUL
     world_size = world_size or WORLD_SIZE
     try:
         if fresh:
-            run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s, rank_setup=_allow_fp16_on_cpu, **kwargs)
-        else:
-            _pool(world_size).run(fn, *args, timeout_s=timeout_s, **kwargs)
+            return run_ranks(fn, *args, world_size=world_size, timeout_s=timeout_s, rank_setup=_allow_fp16_on_cpu,
+                             **kwargs)
+        return _pool(world_size).run(fn, *args, timeout_s=timeout_s, **kwargs)
     except RanksFailed as e:
         raise AssertionError(str(e)) from None
