@@ -137,6 +137,13 @@ def save_frozen(root, name, engine, disks):
     return record, sorted({digests[r] for r in mine})
 
 
+def missing_objects(root, records):
+    """The objects of every saved rank that the frozen engines' ``records`` name and ``root`` lacks (a
+    resize reads them all; on node-local disks each node's copy holds its own ranks')."""
+    return sorted({os.path.join(FROZEN_DIR, f"{d}.pt") for r in records.values() for d in r["ranks"]
+                   if not os.path.isfile(object_path(root, d))})
+
+
 def _read_object(root, digest):
     path = object_path(root, digest)
     if not os.path.isfile(path):

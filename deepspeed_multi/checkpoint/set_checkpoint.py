@@ -244,10 +244,10 @@ def load_checkpoint(load_dir, engines, tag=None):
                              f"stage {record['zero_stage']} {'with' if record['frozen'] is None else 'without'} an "
                              f"optimizer, given {engine._engine_name()} at stage {engine.zero_optimization_stage()} "
                              f"{'with' if engine.has_optimizer else 'without'} one; build it as it was saved.")
+    converted = _convert_for(load_dir, path, manifest, engines, disks) if resized else {}
     errors = [module_state.load_frozen(load_dir, name, e, manifest["engines"][name]["frozen"], resized)
               for name, e in engines.items() if not e.has_optimizer]
     raise_if_any(next((f"deepspeed_multi.load_checkpoint: {path}: {e}" for e in errors if e), None))
-    converted = _convert_for(load_dir, path, manifest, engines, disks) if resized else {}
     for name, engine in engines.items():
         record = manifest["engines"][name]
         if not engine.has_optimizer:
@@ -298,21 +298,24 @@ def _warn_resized(path, manifest, engines, world):
 def _convert_for(load_dir, path, manifest, engines, disks):
     """{engine name: root of its universal form} for the trained engines whose optimizer state was
     saved in slices for the saved world size; the first rank of each disk converts on that disk,
-    every rank waits for it."""
+    every rank waits for it. First, every file of other ranks a resize reads (those slices, and the
+    frozen engines' objects of every saved rank) must be on this rank's disk."""
     names = [n for n, e in engines.items() if e.has_optimizer and resize.partitioned(os.path.join(path, n))]
-    if not names:
-        return {}
     target = resize.universal_dir(load_dir, manifest)
     error = None
     if disks.leads(dist.get_rank()):
-        missing = resize.missing_slices(path, names, manifest["world_size"])
-        if missing:
-            error = (f"resuming {path} (saved by {manifest['world_size']} ranks) on {dist.get_world_size()} converts "
-                     f"every engine's optimizer slices of every saved rank, and the copy{disks.on_disk_of(dist.get_rank())} "
-                     f"lacks {missing[:6]}{' ...' if len(missing) > 6 else ''} ({len(missing)} files): they were saved on "
-                     f"other nodes' disks ({_holders_text(manifest)}). Copy the whole {path} of every node that saved "
-                     "it into this node's copy (the files do not overlap), then resume.")
-        else:
+        slices = resize.missing_slices(path, names, manifest["world_size"])
+        objects = module_state.missing_objects(
+            load_dir, {n: manifest["engines"][n]["frozen"] for n, e in engines.items() if not e.has_optimizer})
+        if slices or objects:
+            lacks = " and ".join(f"{m[:6]}{' ...' if len(m) > 6 else ''}" for m in (slices, objects) if m)
+            error = (f"resuming {path} (saved by {manifest['world_size']} ranks) on {dist.get_world_size()} reads "
+                     f"every saved rank's optimizer slices and frozen-engine partitions, and the copy"
+                     f"{disks.on_disk_of(dist.get_rank())} lacks {lacks} ({len(slices) + len(objects)} files): they "
+                     f"were saved on other nodes' disks ({_holders_text(manifest)}). Copy "
+                     f"the whole {load_dir} of every node that saved it into this node's copy (the files do not "
+                     "overlap), then resume.")
+        elif names:
             error = resize.convert(path, names, target)
     raise_if_any(f"deepspeed_multi.load_checkpoint: {error}" if error else None)
     return {name: target for name in names}

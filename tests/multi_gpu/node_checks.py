@@ -308,7 +308,7 @@ def resize_resume(saved_world, copy_from, save_after, disk):
             try:
                 deepspeed_multi.load_checkpoint(os.path.join(root, name), probe)
             except RuntimeError as e:
-                assert "lacks" in str(e) and "zero_pp_rank_" in str(e) and "Copy the whole" in str(e), str(e)
+                assert "lacks" in str(e) and "zero_pp_rank_" in str(e) and ".frozen/" in str(e) and "Copy the whole" in str(e), str(e)
                 out["missing_error"] = str(e)[:400]
             else:
                 raise AssertionError("a resize from node-local copies that lack other nodes' slices must fail")
