@@ -89,4 +89,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
     with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class):
-        return deepspeed.initialize(**kwargs)
+        built = deepspeed.initialize(**kwargs)
+    _refuse_sequence_parallel_zero0(built[0])
+    return built
+
+
+def _refuse_sequence_parallel_zero0(engine) -> None:
+    """A trained ZeRO-0 engine under sequence parallelism averages its gradients over the sequence-data-
+    parallel group divided by dp/sp, not by its size: every update is sp times too large (upstream too).
+    ZeRO-1/2/3 are corrected (zero/sequence_parallel.py); ZeRO-0's reduction is the engine's own."""
+    sp = getattr(engine, "sequence_parallel_size", 1) or 1
+    if sp > 1 and engine.zero_optimization_stage() == 0 and engine.trains:
+        engine.destroy()
+        raise NotImplementedError(
+            f"deepspeed_multi.initialize: {type(engine.module).__name__} is trained at ZeRO stage 0 with sequence "
+            f"parallelism (sequence_parallel_size {sp}): DeepSpeed's ZeRO-0 reduction divides the gradients summed "
+            f"over the {sp}-way sequence-parallel group by the data-parallel size only, so every update would be "
+            f"{sp}x the full-sequence one (upstream DeepSpeed does this too). Use ZeRO stage 1, 2 or 3 for this "
+            "engine (each is exact under sequence parallelism); an engine without an optimizer (a reference "
+            "model) is fine at stage 0.")

@@ -273,3 +273,21 @@ def untouched_without_sp():
         assert "allreduce_bucket" not in vars(opt).get("_dsm_patches", {}), stage
         engine.destroy()
     assert TiledFusedLogitsLoss.forward is tiled_forward
+
+
+def zero0_refused(sp):
+    """A trained ZeRO-0 engine under sequence parallelism is refused at initialize (its reduction would
+    make every update sp times too large, as upstream's does); a frozen ZeRO-0 reference is built."""
+    with ulysses(build({})[1], sp) as (mpu, _):
+        _, llm = build({"stage": 0})
+        try:
+            deepspeed_multi.initialize(model=llm, optimizer=sgd(llm), config=ds_config(0, micro_bs=BATCH), mpu=mpu)
+        except NotImplementedError as e:
+            for text in ("ZeRO stage 0 with sequence parallelism", f"{sp}x the full-sequence", "Use ZeRO stage 1"):
+                assert text in str(e), (text, str(e))
+        else:
+            raise AssertionError("a trained ZeRO-0 engine under sequence parallelism must be refused")
+        _, ref = build({"stage": 0})
+        ref.requires_grad_(False)
+        engine, *_ = deepspeed_multi.initialize(model=ref, config=ds_config(0, micro_bs=BATCH), mpu=mpu)
+        engine.destroy()

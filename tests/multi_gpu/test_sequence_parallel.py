@@ -72,6 +72,10 @@ def test_untouched_without_sp(sp2):
     run_distributed(sp_checks.untouched_without_sp, world_size=2)
 
 
+def test_zero0_under_sp_refused(sp2):
+    run_distributed(sp_checks.zero0_refused, 2, world_size=2)
+
+
 @pytest.mark.parametrize("name", list(SP2_DP2))
 def test_sp2_dp2(sp2_dp2, name):
     _check(sp2_dp2, name)
