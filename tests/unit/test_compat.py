@@ -4,7 +4,6 @@ replacement registry, and the package rules it makes checkable (single process).
 The end-to-end half (fast paths off over changed methods and outside the window, results exact)
 is tests/multi_gpu/test_compat_e2e.py.
 """
-import ast
 import logging
 import re
 from pathlib import Path
@@ -230,54 +229,6 @@ def test_environment_switches_are_read_in_one_place():
     offenders = [str(p.relative_to(ROOT)) for p, text in _sources().items()
                  if p.name != "switches.py" and re.search(r"environ(\.get)?\(?\[?[\"']DSM_", text)]
     assert not offenders
-
-
-def _module_imports():
-    """module -> the package modules it imports at module level (``from . import x`` included)."""
-    graph = {}
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        name = ".".join(parts)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        deps = set()
-        for node in ast.parse(path.read_text()).body:  # module level only: lazy imports break cycles
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-                for alias in node.names:
-                    sub = f"{mod}.{alias.name}"
-                    deps.add(sub if (ROOT / sub.replace(".", "/")).with_suffix(".py").exists()
-                             or (ROOT / sub.replace(".", "/")).is_dir() else mod)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("deepspeed_multi"))
-        graph[name] = {d for d in deps if d != name}
-    return graph
-
-
-def test_no_import_cycle():
-    graph = _module_imports()
-    state = {}
-
-    def visit(node, stack):
-        state[node] = "open"
-        for dep in graph.get(node, ()):
-            # A package's __init__ importing its own submodules is how packages work, not a cycle.
-            if dep.startswith(node + "."):
-                continue
-            if state.get(dep) == "open":
-                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
-                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
-            if dep not in state:
-                visit(dep, stack + [dep])
-        state[node] = "done"
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
 
 
 def test_engine_stays_small():
