@@ -127,3 +127,17 @@ def test_the_trl_internals_trl_stages_relies_on_are_there():
     assert callable(hf_ds.is_deepspeed_zero3_enabled)
     assert divergence.maybe_gather_lm_head_ctx is utils.maybe_gather_lm_head_ctx
     assert callable(SyncRefModelCallback.sync_target_model) and callable(SyncRefModelCallback._sync_target_model)
+
+
+def test_the_trainer_checkpoint_hooks_are_there():
+    """transformers.py saves and restores the role models' state from these two Trainer methods
+    (touch_points.tsv; [Note: role models in Trainer checkpoints]); a rename would silently drop the
+    role state from every checkpoint, so it fails here."""
+    import inspect
+
+    import transformers
+    for name, argument in (("_save_optimizer_and_scheduler", "output_dir"),
+                           ("_load_optimizer_and_scheduler", "checkpoint")):
+        method = getattr(transformers.Trainer, name, None)
+        assert callable(method), f"transformers.Trainer.{name} is gone"
+        assert list(inspect.signature(method).parameters) == ["self", argument], inspect.signature(method)
