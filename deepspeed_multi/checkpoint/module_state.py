@@ -91,9 +91,8 @@ def _rank_state(engine):
     params = list(engine.module.named_parameters())
     if _layout(engine) == "full":
         return {"tensors": {n: p.detach().cpu() for n, p in params}}
-    offload = (engine.zero_optimization() and engine._config.zero_config.offload_param is not None
-               and str(engine._config.zero_config.offload_param.device).endswith("nvme"))
-    if offload:
+    offload = engine._config.zero_config.offload_param
+    if offload is not None and str(offload.device).endswith("nvme"):
         raise NotImplementedError(
             f"deepspeed_multi.save_checkpoint: engine {engine._engine_name()} has no optimizer and offloads its "
             "parameters to NVMe (offload_param.device: nvme); its parameters cannot be read back for the checkpoint. "
@@ -137,10 +136,11 @@ def save_frozen(root, name, engine, disks):
     return record, sorted({digests[r] for r in mine})
 
 
-def missing_objects(root, records):
-    """The objects of every saved rank that the frozen engines' ``records`` name and ``root`` lacks (a
-    resize reads them all; on node-local disks each node's copy holds its own ranks')."""
-    return sorted({os.path.join(FROZEN_DIR, f"{d}.pt") for r in records.values() for d in r["ranks"]
+def missing_objects(root, digests):
+    """The objects of ``digests`` that ``root`` lacks, as paths relative to it (a tag's manifest lists
+    the ones its disk holds; a resize reads every saved rank's, which on node-local disks are spread
+    over the nodes' copies)."""
+    return sorted({os.path.relpath(object_path(root, d), root) for d in digests
                    if not os.path.isfile(object_path(root, d))})
 
 
@@ -172,7 +172,7 @@ def load_frozen(root, name, engine, record, resized):
 
 def _apply_params(name, engine, state, reassembled):
     params = dict(engine.module.named_parameters())
-    saved = set(state) if reassembled else set(state["tensors"])
+    saved = set(state["tensors"])
     if set(params) != saved:
         return (f"engine {name!r} ({type(engine.module).__name__}) has parameters {sorted(set(params) - saved)[:4]} "
                 f"the checkpoint lacks, and lacks {sorted(saved - set(params))[:4]}; build the module as it was saved.")
@@ -216,29 +216,26 @@ def load_engine_state(engine, directory, name):
 
 
 def _reassemble(states):
-    """Full flat parameters from every saved rank's ZeRO-3 partitions (a resume at another world size)."""
-    return {n: (torch.cat([s["tensors"][n].reshape(-1) for s in states]), states[0]["shapes"][n])
-            for n in states[0]["tensors"]}
+    """A state of full flat parameters from every saved rank's ZeRO-3 partitions (a resume at another
+    world size): each tensor is the saved partitions one after another, padding at the end."""
+    return dict(states[0], tensors={n: torch.cat([s["tensors"][n].reshape(-1) for s in states])
+                                    for n in states[0]["tensors"]})
 
 
 def _load_partitions(name, params, state, resized):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     available = []
     for n, p in params.items():
-        part = p.ds_tensor
-        if not resized:
-            value = state["tensors"][n]
-            if value.numel() != part.numel() or list(p.ds_shape) != state["shapes"][n]:
-                return (f"engine {name!r} parameter {n!r}: partition of {part.numel()} elements (shape "
-                        f"{tuple(p.ds_shape)}), saved {value.numel()} (shape {tuple(state['shapes'][n])}).")
-        else:
-            flat, shape = state[n]
-            if list(p.ds_shape) != shape:
-                return f"engine {name!r} parameter {n!r} is {tuple(p.ds_shape)}, saved {tuple(shape)}."
+        part, value, shape = p.ds_tensor, state["tensors"][n], state["shapes"][n]
+        if list(p.ds_shape) != shape:
+            return f"engine {name!r} parameter {n!r} is {tuple(p.ds_shape)}, saved {tuple(shape)}."
+        if resized:  # this rank's partition, cut out of the reassembled parameter
             start = dist.get_rank(group=p.ds_process_group) * part.numel()
-            value = torch.zeros(part.numel(), dtype=flat.dtype)
-            piece = flat[start:min(start + part.numel(), p.ds_numel)]
+            piece = value[start:min(start + part.numel(), p.ds_numel)]
+            value = torch.zeros(part.numel(), dtype=piece.dtype)
             value[:piece.numel()] = piece
+        elif value.numel() != part.numel():
+            return f"engine {name!r} parameter {n!r}: partition of {part.numel()} elements, saved {value.numel()}."
         part.data.copy_(value.reshape(part.shape).to(part.device, part.dtype))
         if p.ds_status == ZeroParamStatus.AVAILABLE:
             available.append(p)  # a persistent parameter: its gathered copy is stale now

@@ -305,8 +305,8 @@ def _convert_for(load_dir, path, manifest, engines, disks):
     error = None
     if disks.leads(dist.get_rank()):
         slices = resize.missing_slices(path, names, manifest["world_size"])
-        objects = module_state.missing_objects(
-            load_dir, {n: manifest["engines"][n]["frozen"] for n, e in engines.items() if not e.has_optimizer})
+        frozen = [manifest["engines"][n]["frozen"] for n, e in engines.items() if not e.has_optimizer]
+        objects = module_state.missing_objects(load_dir, [d for record in frozen for d in record["ranks"]])
         if slices or objects:
             lacks = " and ".join(f"{m[:6]}{' ...' if len(m) > 6 else ''}" for m in (slices, objects) if m)
             error = (f"resuming {path} (saved by {manifest['world_size']} ranks) on {dist.get_world_size()} reads "

@@ -11,7 +11,7 @@ import os
 import shutil
 
 from .disks import LATEST
-from .module_state import FROZEN_DIR, object_path, referenced_objects
+from .module_state import FROZEN_DIR, missing_objects, referenced_objects
 
 logger = logging.getLogger("deepspeed_multi.checkpoint")
 
@@ -31,9 +31,7 @@ def read_manifest(path):
         return None, (f"{MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r} (a checkpoint of "
                       "another deepspeed_multi release: load it with that release)")
     missing = [f for f in manifest["files"] if not os.path.isfile(os.path.join(path, f))]
-    root = os.path.dirname(path)
-    missing += [os.path.join(FROZEN_DIR, os.path.basename(object_path(root, d))) for d in manifest.get("objects", [])
-                if not os.path.isfile(object_path(root, d))]
+    missing += missing_objects(os.path.dirname(path), manifest.get("objects", []))
     if missing:
         return None, f"files listed in {MANIFEST} are missing: {missing[:3]}"
     return manifest, None
