@@ -29,9 +29,8 @@ def _du(path):
 
 
 def _run(root, stage, width, layers, repeat):
-    import deepspeed
     import deepspeed.comm as dist
-    import torch
+    from common import scale_in_place  # tests/multi_gpu, on the path through _bench
 
     import deepspeed_multi
     student = _bench.build_engine(deepspeed_multi.initialize, _bench.Tower(64, 128, 2, 64, seed=1), _bench.ds_config(2))
@@ -50,10 +49,7 @@ def _run(root, stage, width, layers, repeat):
         return max(seconds), (_du(save_dir) - before if dist.get_rank() == 0 else 0)
 
     def ema():
-        params = list(teacher.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
-            for p in params:
-                p.mul_(0.99)
+        scale_in_place(teacher.module, 0.99)
 
     out = {"baseline": [], "unchanged": [], "changed": []}
     save({"student": student, "teacher": teacher}, "first")  # the teacher's first object

@@ -155,6 +155,17 @@ def default_batch(step, rank, n=4, d=8):
     return {"x": torch.randn(n, d, generator=g), "y": torch.randn(n, d, generator=g)}
 
 
+def scale_in_place(module, factor):
+    """Multiply a (frozen) module's parameters by ``factor`` in place, as an EMA teacher's update
+    changes them: at ZeRO-3 gathered, rank 0's change broadcast (DeepSpeed's ``modifier_rank``);
+    without ZeRO-3 on every rank."""
+    import deepspeed
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        for p in params:
+            p.mul_(factor)
+
+
 def full_params(engine_or_module):
     """Name -> full fp32 copy of every parameter (ZeRO-3 partitions gathered).
 

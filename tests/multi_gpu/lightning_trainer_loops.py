@@ -103,12 +103,9 @@ class EmaDistillation(Distillation):
         self.final = None
 
     def training_step(self, batch, batch_idx):
-        import deepspeed
+        from common import scale_in_place
         super().training_step(batch, batch_idx)
-        params = list(self.teacher.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
-            for p in params:
-                p.mul_(0.9)
+        scale_in_place(self.teacher, 0.9)
 
     def on_train_end(self):
         from common import full_params
