@@ -310,6 +310,7 @@ class MultiEngine(DeepSpeedEngine):
         try:
             super().step(lr_kwargs)
             self._rank_agreement.finish()  # (no-op: DeepSpeed's reduction finished it)
+            grad_scale.back_off_after_overflow(self)  # [Note: torch_autocast's GradScaler]
         except BaseException:
             self._abort_step()
             raise

@@ -93,6 +93,7 @@ class Member:
     trainable: bool = True
     lr: float = 0.1
     param_groups: Callable = None  # trainable params -> the engine optimizer's param groups (e.g. MoE's)
+    autocast: torch.dtype = None  # torch_autocast in the config: the reference's forward runs under torch.autocast
 
     @property
     def dtype(self):
@@ -214,10 +215,17 @@ def window_update(model, optimizer, gas):
     optimizer.zero_grad(set_to_none=True)
 
 
+def _autocast_forward(model, dtype):
+    """``model`` whose forward runs under torch.autocast(dtype), as DeepSpeed's torch_autocast runs it."""
+    if dtype is not None:
+        model.forward = torch.autocast("cpu", dtype=dtype)(model.forward)
+    return model
+
+
 def run_reference(scenario: Scenario):
     """Plain PyTorch on one process: the same micro-batches of every rank, the same updates."""
     world = scenario.world_size
-    models = {name: m.build() for name, m in scenario.members.items()}
+    models = {name: _autocast_forward(m.build(), m.autocast) for name, m in scenario.members.items()}
     opts = {name: torch.optim.SGD(models[name].parameters(), lr=m.lr)
             for name, m in scenario.members.items() if m.trainable}
     windows = {name: 0 for name in opts}

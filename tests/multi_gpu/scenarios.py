@@ -719,6 +719,30 @@ def _zero3_has(**attrs):
     return check
 
 
+def _torch_autocast(stages, dtype, gas, distill=False):
+    """DeepSpeed's torch_autocast (fp32 weights, each engine's forward under torch.autocast; Linear
+    gradients communicated in ``dtype``) in every engine of the diamond, or, with ``distill``, on a
+    ZeRO-2 student beside a frozen fp32 ZeRO-3 teacher. The reference runs the same forwards under
+    torch.autocast; the tolerance is the low-precision one (the gradients are reduced in ``dtype``).
+    In fp16 the boundary applies the GradScaler's scale ([Note: torch_autocast's GradScaler])."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    section = {"enabled": True, "dtype": {"bf16": "bfloat16", "fp16": "float16"}[dtype]}
+    scenario = _distill() if distill else _diamond(stages, gas=gas)
+    for member in scenario.members.values():
+        if member.trainable or not distill:
+            member.config["torch_autocast"] = dict(section)
+            member.autocast = low
+    scenario.dtype = dtype
+
+    def took_effect(engines):
+        for name, e in engines.items():
+            want = scenario.members[name].autocast
+            got = e.torch_autocast_dtype() if e.torch_autocast_enabled() else None
+            assert got == want, f"engine {name!r}: torch_autocast {got}, configured {want}"
+    scenario.took_effect = took_effect
+    return scenario
+
+
 _OFFLOAD_TOP = {"zero_force_ds_cpu_optimizer": False}  # the matrix's SGD, not DeepSpeedCPUAdam
 _OFFLOAD_OPT = dict(top=_OFFLOAD_TOP, offload_optimizer={"device": "cpu"})
 # At gas 2 upstream's diamond is wrong for another reason (a chain divides by gas twice: "What
@@ -769,9 +793,14 @@ for _gas in (1, 2):
         f"knob-checkpoint-spans-engines-reentrant-z123-gas{_gas}": functools.partial(_checkpoint_spans, True, _gas),
         f"knob-checkpoint-spans-engines-nonreentrant-z123-gas{_gas}": functools.partial(_checkpoint_spans, False, _gas),
         f"knob-moe-beside-z3-gas{_gas}": functools.partial(_moe, (1, 2, 3), _gas),
+        f"knob-torch-autocast-bf16-z012-gas{_gas}": functools.partial(_torch_autocast, (0, 1, 2), "bf16", _gas),
+        f"knob-torch-autocast-bf16-z123-gas{_gas}": functools.partial(_torch_autocast, (1, 2, 3), "bf16", _gas),
+        f"knob-torch-autocast-fp16-z012-gas{_gas}": functools.partial(_torch_autocast, (0, 1, 2), "fp16", _gas),
+        f"knob-torch-autocast-fp16-z123-gas{_gas}": functools.partial(_torch_autocast, (1, 2, 3), "fp16", _gas),
     })
 
 
+SCENARIOS["knob-torch-autocast-bf16-distill-z2-z3"] = functools.partial(_torch_autocast, None, "bf16", 1, True)
 SCENARIOS["knob-offload-optimizer-idle-micro-z123-gas2"] = functools.partial(_offload_idle, (1, 2, 3), 2, "micro")
 SCENARIOS["knob-offload-optimizer-idle-micro-z213-gas2"] = functools.partial(_offload_idle, (2, 1, 3), 2, "micro")
 
