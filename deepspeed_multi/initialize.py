@@ -13,7 +13,7 @@ from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
-from .zero import stage3_counters
+from .zero import stage3_counters, torch_autocast
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -88,8 +88,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed, options=options)
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
-    with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class):
+    with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class), torch_autocast.scoped(config):
         built = deepspeed.initialize(**kwargs)
+    torch_autocast.keep_own_comm_dtype(built[0], config)  # [Note: torch_autocast is per engine]
     _refuse_sequence_parallel_zero0(built[0])
     return built
 

@@ -52,6 +52,105 @@ def autocast_fp16_overflow_skips_on_every_rank(stage):
     engine.destroy()
 
 
+def _muon_exact(stages, gas):
+    from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+    exact = ns_compute_dtype("gram") == torch.float32
+    for name, got in muon_diamond(stages, gas=gas).items():
+        what = f"Muon, engines at ZeRO {stages}, gas {gas}, engine {name}"
+        if exact:
+            assert got["err"] <= FP32_TOL, f"{what}: max abs error {got['err']:.3e} vs plain PyTorch"
+        else:  # Newton-Schulz in fp16 (the accelerator reports fp16 support)
+            assert got["cos"] > 0.99 and abs(got["ratio"] - 1) < 0.05, f"{what}: {got}"
+
+
 def all_features():
     for stage in (0, 1, 2, 3):
+        # These leave DeepSpeed's torch_autocast initialized in the process: the Muon engines below are
+        # built after them, as in a program whose first engine uses it ([Note: torch_autocast is per engine]).
         autocast_fp16_overflow_skips_on_every_rank(stage)
+    for stage in (1, 2, 3):
+        autocast_stays_in_its_engine(stage)
+    for stages, gas in (((1, 2, 3), 1), ((3, 1, 2), 2), ((2, 3, 1), 2)):
+        _muon_exact(stages, gas)
+
+
+def autocast_stays_in_its_engine(stage):
+    """An fp16 torch_autocast engine built first: a bf16 engine built after it keeps its own
+    ``communication_data_type: fp32`` and gets no GradScaler ([Note: torch_autocast is per engine])."""
+    first = MLP(seed=1)
+    a = deepspeed_multi.initialize(model=first, optimizer=torch.optim.SGD(first.parameters(), lr=0.1),
+                                   config=ds_config(stage, torch_autocast={"enabled": True, "dtype": "float16"}))[0]
+    second = MLP(seed=2)
+    b = deepspeed_multi.initialize(model=second, optimizer=torch.optim.SGD(second.parameters(), lr=0.1),
+                                   config=ds_config(stage, "bf16", communication_data_type="fp32"))[0]
+    assert a.optimizer.torch_autocast_gradscaler is not None
+    assert b.optimizer.torch_autocast_gradscaler is None, f"ZeRO-{stage}: the bf16 engine got the fp16 GradScaler"
+    dtypes = {b.optimizer.get_param_comm_dtype(p) for p in second.parameters()} | set(b.optimizer.ipg_buckets)
+    assert dtypes == {torch.float32}, f"ZeRO-{stage}: the bf16 engine communicates in {dtypes}, configured fp32"
+    for e in (a, b):
+        e.destroy()
+
+
+# --------------------------------------------------------------- Muon
+_MUON = {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.01, "betas": [0.9, 0.99]}}
+
+
+def _muon_reference(models):
+    """Plain PyTorch: DeepSpeed's MuonWithAuxAdam over each model's parameters, grouped and tagged as
+    deepspeed.initialize groups and tags them (matrices Muon, the rest Adam), its Adam half FusedAdam."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    opts = []
+    for model in models:
+        deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params=_MUON["params"]), model)
+        groups = DeepSpeedEngine._muon_param_groups(list(model.parameters()), dict(_MUON["params"]))
+        opts.append(MuonWithAuxAdam(groups, adam_optimizer=FusedAdam, adam_optimizer_kwargs={"adam_w_mode": True},
+                                    fallback_to_inline=True))
+    return opts
+
+
+def muon_diamond(stages, initialize=None, steps=3, gas=1):
+    """Three engines with DeepSpeed's Muon (a feeds b and c, one loss.backward()), against plain PyTorch
+    with the same optimizer on the averaged gradients. Returns the max abs error and the update's
+    cosine and norm ratio of each engine (Newton-Schulz runs in fp16 where the accelerator says it
+    can: the tolerance is then the low-precision one)."""
+    initialize = initialize or deepspeed_multi.initialize
+    world = dist.get_world_size()
+    engines = []
+    for i, stage in enumerate(stages):
+        cfg = ds_config(stage, gas=gas, optimizer=_MUON)
+        if stage == 3:
+            cfg["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's Muon at ZeRO-3 needs it
+        engines.append(initialize(model=MLP(seed=i + 1), config=cfg)[0])
+    refs = [MLP(seed=i + 1) for i in range(3)]
+    start = [{n: p.detach().clone() for n, p in r.named_parameters()} for r in refs]
+    opts = _muon_reference(refs)
+
+    def loss(m, x, y):
+        h = m[0](x)
+        return ((m[1](h) + m[2](h) - y) ** 2).mean()
+
+    for step in range(steps * gas):
+        loss(engines, *_batch(step)).backward()
+        for e in engines:
+            e.step()
+        for r in range(world):
+            (loss(refs, *_batch(step, r)) / (world * gas)).backward()
+        if (step + 1) % gas == 0:
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+    out = {}
+    for i, (e, ref) in enumerate(zip(engines, refs)):
+        got, want = full_params(e), dict(ref.named_parameters())
+        du = torch.cat([(got[n] - start[i][n]).flatten() for n in want])
+        dr = torch.cat([(want[n].detach() - start[i][n]).flatten() for n in want])
+        out["abc"[i]] = {"err": max((got[n] - want[n].detach()).abs().max().item() for n in want),
+                         "cos": torch.nn.functional.cosine_similarity(du, dr, dim=0).item(),
+                         "ratio": (du.norm() / dr.norm()).item()}
+        e.destroy()
+    return out
