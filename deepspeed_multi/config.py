@@ -47,6 +47,7 @@ def prepare_engine_config(config: dict):
     """
     options = MultiOptions.from_config(config)
     _refuse_deepcompile(config)
+    _refuse_boundary_owning_offloads(config)
     user_managed = config.get(MANAGED_GRADIENT_ACCUMULATION, True) is False
     config[MANAGED_GRADIENT_ACCUMULATION] = False
     stage = zero_stage(config)
@@ -86,6 +87,36 @@ def _refuse_deepcompile(config: dict) -> None:
             "'managed_gradient_accumulation=False is not supported with DeepCompile'). Build this engine with "
             "deepspeed.initialize and train it with engine.backward(loss) and engine.step() in a loss of its own, "
             "or drop compile.deepcompile from its config (engine.compile() without DeepCompile is supported).")
+
+
+def _refuse_boundary_owning_offloads(config: dict) -> None:
+    """ZenFlow and SuperOffload decide inside DeepSpeed's managed accumulation when parameters update.
+
+    ZenFlow replaces ``gradient_accumulation_steps`` with its own ``update_interval``, picks the
+    accumulation boundary from its selection state in ``is_gradient_accumulation_boundary`` and steps
+    a selective optimizer on every micro-step; run unmanaged it steps on gradients that were never
+    accumulated (measured: ``TypeError`` in its ``lerp_`` on the first step, 2 CPU ranks, ZeRO-2).
+    SuperOffload (CUDA only) runs the CPU optimizer during the backward pass, as each sub-group's
+    gradients complete at the boundary: with one backward reaching several engines, or one engine
+    twice, parameters would change while the same backward still needs them."""
+    zero = config.get("zero_optimization") or {}
+    if zero.get("zenflow"):
+        raise NotImplementedError(
+            "deepspeed_multi does not support ZenFlow (zero_optimization.zenflow): ZenFlow owns the gradient-"
+            "accumulation boundary (its update_interval replaces gradient_accumulation_steps, and it steps a "
+            "selective optimizer on every micro-step), which needs DeepSpeed's managed accumulation and "
+            "engine.backward(loss); deepspeed_multi runs every engine unmanaged so that one loss.backward() can "
+            "reach several engines. Build this engine with deepspeed.initialize and train it with "
+            "engine.backward(loss) and engine.step() in a loss of its own, or remove zero_optimization.zenflow "
+            "(offload_optimizer alone is supported).")
+    if (zero.get("offload_optimizer") or {}).get("super_offload"):
+        raise NotImplementedError(
+            "deepspeed_multi does not support SuperOffload (zero_optimization.offload_optimizer.super_offload): it "
+            "steps the CPU optimizer inside the backward pass, as each group of gradients completes at the "
+            "accumulation boundary, and deepspeed_multi decides that boundary at step() so that one backward "
+            "can reach several engines, or one engine twice, with the parameters unchanged until it ends. Build "
+            "this engine with deepspeed.initialize and engine.backward(loss) in a loss of its own, or set "
+            "super_offload to false (offload_optimizer alone is supported).")
 
 
 OPTIONS_KEY = "deepspeed_multi"

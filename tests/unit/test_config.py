@@ -68,6 +68,21 @@ def test_deepcompile_refused_at_initialize_naming_why_and_what_to_do(given):
     prepare_engine_config({"compile": {"deepcompile": False}})  # off, or engine.compile() alone: fine
 
 
+@pytest.mark.parametrize("zero,names", [
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}},
+     ("does not support ZenFlow (zero_optimization.zenflow)", "update_interval", "remove zero_optimization.zenflow")),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
+     ("does not support SuperOffload", "inside the backward pass", "set super_offload to false"))])
+def test_zenflow_and_super_offload_refused_naming_why_and_what_to_do(zero, names):
+    with pytest.raises(NotImplementedError) as info:
+        prepare_engine_config({"zero_optimization": zero})
+    for text in names + ("deepspeed.initialize and", "engine.backward(loss)"):
+        assert text in str(info.value), str(info.value)
+    zero = dict(zero, offload_optimizer={"device": "cpu"})
+    zero.pop("zenflow", None)
+    prepare_engine_config({"zero_optimization": zero})  # the offload alone: fine
+
+
 def test_load_config_from_path(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 3}}')
