@@ -83,10 +83,33 @@ logger = logging.getLogger(__name__)
 TESTED = {"transformers": ("5.23", "5.24"), "trl": ("1.16",)}
 
 
+def _refuse_second_model_under_sequence_parallelism(accelerator, args) -> None:
+    """Under DeepSpeed sequence parallelism the Trainer computes the trained model's own language-model
+    loss over the slices (``deepspeed_sp_compute_loss``); a trainer with more models (TRL's reference,
+    reward or teacher) computes per-sequence quantities from them that each rank would see a slice of."""
+    import torch
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is None or pc.sp_backend != "deepspeed" or not pc.sp_enabled or not accelerator.engines():
+        return
+    models = [type(a).__name__ for a in args if isinstance(a, torch.nn.Module)]
+    if not models:  # (the Trainer prepares its DataLoader after the model)
+        return
+    raise ValueError(
+        f"deepspeed_multi.transformers: a second model ({', '.join(models)}) is prepared "
+        f"beside {type(accelerator.engines()[0].module).__name__} under DeepSpeed sequence parallelism (sp_size "
+        f"{pc.sp_size}). The Trainer's sequence-parallel loss covers the trained model's own language-model loss; "
+        "TRL's trainers with a reference, reward or teacher model compute per-sequence quantities (DPO's "
+        "log-probabilities, rewards, KL) from whole sequences, which each rank would see a slice of (upstream TRL "
+        "supports DeepSpeed sequence parallelism in SFTTrainer only: GRPO, RLOO and Distillation refuse it, and DPO "
+        "fails for want of position_ids). Train this job without parallelism_config, or with SFTTrainer; programs of "
+        "several models on the sequence-parallel groups run through deepspeed_multi.accelerate.Accelerator.")
+
+
 class TrainerAccelerator(Accelerator):
     """The Accelerator a Trainer builds: the Trainer owns accumulation (see the Note)."""
 
     def _prepare_deepspeed(self, *args):
+        _refuse_second_model_under_sequence_parallelism(self, args)
         result = super()._prepare_deepspeed(*args)
         for obj in result:
             parts = obj.parts.values() if isinstance(obj, PartedEngine) else [obj]

@@ -41,6 +41,7 @@ from ..parts.engine import PartedEngine
 
 ENGINES = (MultiEngine, PartedEngine)  # what prepare() builds: one engine per model, or one of parts
 from . import plugins as _plugins
+from . import sequence_parallel
 from ._routing import multi_engine_initialize
 from .cpu_world import sync_world_size
 from ..integrations.engine_steps import refuse_other_clipping
@@ -92,7 +93,7 @@ class Accelerator(accelerate.Accelerator):
             return super().prepare(*args, device_placement=device_placement)
 
     def _prepare_deepspeed(self, *args):
-        with multi_engine_initialize():
+        with multi_engine_initialize(), sequence_parallel.register_once():  # [Note: one Ulysses registration ...]
             result = list(super()._prepare_deepspeed(*args))
         # Accelerate ties backward() to the first engine; ours drives every engine (see backward).
         self.deepspeed_engine_wrapped = None

@@ -14,6 +14,7 @@ import os
 import pytest
 
 import sp_checks
+import sp_trainer_checks
 from common import FP32_TOL
 from harness import run_distributed
 
@@ -79,3 +80,19 @@ def test_zero0_under_sp_refused(sp2):
 @pytest.mark.parametrize("name", list(SP2_DP2))
 def test_sp2_dp2(sp2_dp2, name):
     _check(sp2_dp2, name)
+
+
+def test_trainer_on_sp():
+    """transformers.Trainer and TRL's SFTTrainer with ParallelismConfig(sp_backend="deepspeed") on our
+    engines, ZeRO 1-3, gas 1/2, against DDP on the full sequences (1e-5); TRL's DPO (a second model)
+    on SP refused by name."""
+    pytest.importorskip("trl")
+    run_distributed(sp_trainer_checks.trainer_on_sp, world_size=2, timeout_s=300)
+
+
+@pytest.mark.parametrize("stages", [(3, 3, 2), (1, 0, 2), (2, 3, 1)])
+def test_accelerate_several_models_on_sp(stages):
+    """A sequence-parallel policy, its frozen reference and a value model prepared one by one through
+    deepspeed_multi's Accelerator with ParallelismConfig(sp_backend="deepspeed"): exact (1e-5)."""
+    pytest.importorskip("accelerate")
+    run_distributed(sp_trainer_checks.accelerate_several_models_on_sp, stages, world_size=2, timeout_s=180)

@@ -21,15 +21,19 @@ SEQ, MICRO_BS, SAMPLES = 8, 2, 40
 
 
 class TokenData(torch.utils.data.Dataset):
-    def __init__(self, n=SAMPLES, seed=7):
+    """``positions``: each sample carries ``position_ids`` (Ulysses sequence parallelism needs them)."""
+
+    def __init__(self, n=SAMPLES, seed=7, positions=False):
         g = torch.Generator().manual_seed(seed)
         self.ids = tokens(g, n, SEQ)
+        self.positions = positions
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        row = {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return dict(row, position_ids=torch.arange(SEQ)) if self.positions else row
 
 
 def ds_config(stage, gas, clip):
@@ -80,7 +84,7 @@ def _train(trainer, resume=None):
 
 
 def run_trainer(trainer_cls, gas, max_grad_norm, deepspeed=None, out=None, loss_kwargs=True, resume=None,
-                model=None, evaluate_first=False, **args):
+                model=None, evaluate_first=False, positions=False, **args):
     """Train once; return (log history of the training steps, final full weights by name, trainer).
 
     ``loss_kwargs=False``: the Trainer divides each micro-batch's loss by its accumulation count
@@ -93,14 +97,14 @@ def run_trainer(trainer_cls, gas, max_grad_norm, deepspeed=None, out=None, loss_
     model = model if model is not None else causal_lm()
     out = out or _shared_tmp()
     trainer = trainer_cls(model=model, args=_args(out, gas, max_grad_norm, copy.deepcopy(deepspeed), **args),
-                          train_dataset=TokenData(), eval_dataset=TokenData(8, seed=3))
+                          train_dataset=TokenData(positions=positions), eval_dataset=TokenData(8, seed=3))
     if not loss_kwargs:
         trainer.model_accepts_loss_kwargs = False
     if evaluate_first:
         trainer.evaluate()
         assert deepspeed is None or not trainer.model_wrapped.has_optimizer  # the inference engine it built
     result = _train(trainer, resume)
-    if deepspeed is not None:
+    if deepspeed is not None and hasattr(trainer.accelerator, "engines"):  # (upstream's Trainer: no engines())
         engines = trainer.accelerator.engines()
         assert len(engines) == 1 and engines[0].zero_optimization_stage() == deepspeed["zero_optimization"]["stage"]
     return result
