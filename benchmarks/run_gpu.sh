@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU list on a machine with ONE GPU, in phases sized for a 10-minute lease call:
 #   benchmarks/run_gpu.sh OUT kernels [matrix] [engines] [cuda] [api] [lazy] [memory] [bench] [trainer] [llama]
+#                        [features]
 #     kernels: tests/unit (the CUDA kernels against the reference), the fused-op microbenchmark
 #     cuda:    the CUDA unit tests alone (a shorter kernels)
 #     bench:   the bf16 fused-op microbenchmark alone
@@ -12,6 +13,8 @@
 #              deterministic kernels so that the bit-identical resume checks mean something
 #     llama:   benchmarks/llama_gpu.py: ours vs upstream on a 0.37B Llama (one engine ZeRO 1-3, distillation),
 #              each variant in its own process, and a profiler trace of one step of ours
+#     features: benchmarks/gpu_features.py: SuperOffload and DeepCompile under upstream (ours refuses them by
+#              name) and torch_autocast bf16/fp16 ours vs upstream, one rank
 #     engines: the fused matrix and the step tests on one rank under NCCL; the end-to-end
 #              benchmarks on one GPU (ours vs upstream, fused on/off)
 # Everything is logged under /tmp/gpu-<phases> and packed into OUT/gpu-<phases>.tar.gz after every
@@ -114,11 +117,14 @@ for phase in $PHASES; do
         "$PY" -m pytest -v -p no:cacheprovider -o addopts="-rA --durations=20" tests/multi_gpu/test_parts.py \
         -k "${PARTS_K:-trainer or run_stages}"
       ;;
+    features)
+      step gpu_features "${FEATURES_SECONDS:-240}" "$PY" benchmarks/gpu_features.py
+      ;;
     llama)
       step llama "${LLAMA_SECONDS:-300}" "$PY" benchmarks/llama_gpu.py --rounds "${LLAMA_ROUNDS:-2}" --trace \
         ${LLAMA_STAGES:+--stages $LLAMA_STAGES}
       ;;
-    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench, trainer, llama)"; exit 2 ;;
+    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench, trainer, llama, features)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu-$PHASE.tar.gz" -C "$WORK" . && echo "packed $OUT/gpu-$PHASE.tar.gz"
