@@ -12,7 +12,18 @@ ends the run at once: the parent terminates the others and raises with that rank
 
 Backend: NCCL with one GPU per rank where ``torch.cuda.device_count() >= world_size``, else
 gloo on CPU (``DS_ACCELERATOR=cpu``). The function must be importable (module level) because
-ranks are started with the ``spawn`` method.
+ranks are started with the ``spawn`` method, or forked from a server (see the Note below).
+
+[Note: ranks forked from a preloaded server]
+A spawned rank imports torch, DeepSpeed and Transformers before it runs anything: several seconds
+of CPU per rank, paid again by every test that needs fresh ranks (the watchdog's and the killed
+saves' runs end their ranks on purpose). CPU ranks are forked from multiprocessing's forkserver
+instead, which imports those once (``_PRELOAD``) and forks each rank from that clean,
+single-threaded state (not from pytest's process). DeepSpeed picks its accelerator at import, so
+the server serves CPU ranks only (it starts with this process's ``DS_ACCELERATOR=cpu``); GPU ranks
+are spawned. A forked rank would inherit the server's environment, from when it started: each rank
+takes this process's environment of the moment it is created (``_own_environment``), as a spawned
+one does.
 """
 import faulthandler
 import os
@@ -31,6 +42,24 @@ class RanksFailed(RuntimeError):
     """A rank raised, died, or the run passed its deadline."""
 
 
+_PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm", "deepspeed_multi", "transformers"]
+
+
+def _context(gpu: bool):
+    """How ranks are started: [Note: ranks forked from a preloaded server]."""
+    if gpu or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # (read when the server starts: the first CPU ranks)
+    return ctx
+
+
+def _own_environment(env):
+    """In a rank: the starting process's environment (a forked rank has the fork server's)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def use_gpu(world_size: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
 
@@ -41,7 +70,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, rank_setup, results, fn, args, kwargs):
+def _rank_main(env, rank, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, rank_setup, results, fn, args,
+               kwargs):
+    _own_environment(env)
     log = None
     if rank != 0 or quiet_rank0:
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
@@ -99,8 +130,9 @@ def _destroy_process_groups():
         torch.distributed.destroy_process_group()
 
 
-def _rank_main_to_exit(rank, world_size, port, log_dir, rank_setup, fn, args, kwargs):
+def _rank_main_to_exit(env, rank, world_size, port, log_dir, rank_setup, fn, args, kwargs):
     """Like _rank_main, but nothing is caught: the rank's exit code is the result."""
+    _own_environment(env)
     log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -123,10 +155,11 @@ def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, ra
     when the parent saw it exit, "log": the rank's whole stdout+stderr}``. An exception in ``fn``
     is not caught: it ends the rank with a non-zero exit code and its traceback in the log.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(gpu=False)
     port = _free_port()
     log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
-    procs = [ctx.Process(target=_rank_main_to_exit, args=(r, world_size, port, log_dir, rank_setup, fn, args, kwargs),
+    procs = [ctx.Process(target=_rank_main_to_exit,
+                         args=(dict(os.environ), r, world_size, port, log_dir, rank_setup, fn, args, kwargs),
                          daemon=True) for r in range(world_size)]
     _start(procs, gpu=False)
     deadline = time.monotonic() + timeout_s
@@ -162,15 +195,15 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank
     ``rank_setup(gpu)``, if given, runs in each rank before the process group is created.
     Raises :class:`RanksFailed` with the failing rank's traceback and every rank's log tail.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     gpu = use_gpu(world_size)
+    ctx = _context(gpu)
+    results = ctx.Queue()
     port = _free_port()
     log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
     procs = [
         ctx.Process(target=_rank_main,
-                    args=(r, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, rank_setup, results, fn, args,
-                          kwargs),
+                    args=(dict(os.environ), r, world_size, port, gpu, log_dir, timeout_s, quiet_rank0, rank_setup,
+                          results, fn, args, kwargs),
                     daemon=True) for r in range(world_size)
     ]
     _start(procs, gpu)
@@ -247,16 +280,17 @@ class RankPool:
     """
 
     def __init__(self, world_size, rank_setup=None):
-        ctx = mp.get_context("spawn")
+        gpu, port = use_gpu(world_size), _free_port()
+        ctx = _context(gpu)
         self.world_size = world_size
         self.rank_setup = rank_setup
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._log_dir = tempfile.mkdtemp(prefix="dsm_pool_")
         self._seq = 0
-        gpu, port = use_gpu(world_size), _free_port()
-        self._procs = [ctx.Process(target=_pool_rank_main, args=(r, world_size, port, gpu, self._log_dir, rank_setup,
-                                                                 self._tasks[r], self._results), daemon=True)
+        self._procs = [ctx.Process(target=_pool_rank_main,
+                                   args=(dict(os.environ), r, world_size, port, gpu, self._log_dir, rank_setup,
+                                         self._tasks[r], self._results), daemon=True)
                        for r in range(world_size)]
         _start(self._procs, gpu)
 
@@ -294,7 +328,8 @@ class RankPool:
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
 
-def _pool_rank_main(rank, world_size, port, gpu, log_dir, rank_setup, tasks, results):
+def _pool_rank_main(env, rank, world_size, port, gpu, log_dir, rank_setup, tasks, results):
+    _own_environment(env)
     import gc
     log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
     os.dup2(log.fileno(), 1)
