@@ -38,7 +38,9 @@ setup: $(STAMP)
 # last, as an install compiles an extension (not by the first test that uses them), with DeepSpeed's CPU
 # shared-memory op, which DeepSpeed compiles at its first init_distributed on CPU; a failed build is not
 # fatal: the ops fall back to PyTorch (DeepSpeed to torch.distributed), and the tests say so.
-PREBUILD := DS_ACCELERATOR=cpu python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+# The environment's python by its path, PATH unchanged: the tests run with this PATH, and torch builds with the
+# first `ninja` on it; ninja versions keep incompatible logs, so a build by another ninja is redone (~50 s).
+PREBUILD = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
 	|| echo "note: DeepSpeed's shm op did not build"
 $(STAMP): pyproject.toml setup.py Makefile requirements-test.txt
 	python3 -m venv $(VENV)
@@ -49,7 +51,7 @@ $(STAMP): pyproject.toml setup.py Makefile requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c "import torch, deepspeed, accelerate, transformers, deepspeed_multi; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)"
 	$(PY) -m deepspeed_multi.ops.build || echo "note: the fused-reduce extension did not build; see above"
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PREBUILD)
+	$(call PREBUILD,$(abspath $(PY)))
 	touch $@
 
 $(STAMP_OLDEST): pyproject.toml setup.py Makefile requirements-test.txt
@@ -64,7 +66,7 @@ $(STAMP_OLDEST): pyproject.toml setup.py Makefile requirements-test.txt
 	$(PY_OLDEST) -c "import torch, deepspeed, transformers; assert deepspeed.__version__ == '$(DS_OLDEST)', deepspeed.__version__; \
 	  assert transformers.__version__ == '$(TRANSFORMERS_OLDEST)', transformers.__version__; \
 	  print('oldest: torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
-	PATH=$(abspath $(VENV_OLDEST))/bin:$$PATH TORCH_EXTENSIONS_DIR=$(abspath $(VENV_OLDEST))/torch_extensions $(PREBUILD)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_OLDEST))/torch_extensions $(call PREBUILD,$(abspath $(PY_OLDEST)))
 	touch $@
 
 setup-oldest: $(STAMP_OLDEST)
