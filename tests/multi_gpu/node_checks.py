@@ -57,8 +57,9 @@ def mics_refused():
 
 
 def two_nodes_shared_disk(names, disk):
-    """One launch: the exact rows, the MiCS refusal, and a set checkpoint on a disk both nodes share."""
-    return {"rows": exact_rows(names), "mics": mics_refused(), "checkpoint": set_checkpoint_on_nodes(False, disk)}
+    """Where nodes cannot have disks of their own: the first job's rows, MiCS refusal and shared-disk
+    checkpoint in a launch of their own (test_nodes.py)."""
+    return {"rows": exact_rows(names), "mics": mics_refused(), "shared": set_checkpoint_on_nodes(False, disk)}
 
 
 def exact_rows(names, disk=None):
@@ -327,13 +328,16 @@ def resize_resume(saved_world, copy_from, save_after, disk):
 
 
 def node_local_program(disk):
-    """The job on node-local disks, under torchrun --max-restarts 1: the set checkpoint checks and the
-    save for the resize, then the lost-node run, whose node 1 is killed part way (the checks' results
-    are in the log); the restarted job resumes the lost-node run."""
+    """The job on node-local disks, under torchrun --max-restarts 1: the exact rows, the MiCS refusal, a set
+    checkpoint on a directory both nodes share (outside the node-local mount) and the set checkpoint checks
+    on the node-local disks, and the save for the resize; then the lost-node run, whose node 1 is killed
+    part way (the checks' results are in the log); the restarted job resumes the lost-node run."""
     import json
     import checkpoint_checks
     if _attempt() == 0:
-        out = {"checkpoint": set_checkpoint_on_nodes(True, disk)}
+        shared = os.path.join(os.path.dirname(disk), "shared")  # (nodes.py mounts each node's own dir at disk)
+        out = {"rows": exact_rows(sorted(ROWS)), "mics": mics_refused(),
+               "shared": set_checkpoint_on_nodes(False, shared), "checkpoint": set_checkpoint_on_nodes(True, disk)}
         checkpoint_checks.save_for_resize(os.path.join(disk, "resize"))
         print("CHECKS " + json.dumps(out), flush=True)
     return lost_node_run(disk)
