@@ -164,16 +164,33 @@ def upstream_is_reference():
     return torch.cuda.is_available() or os.environ.get("DSM_TEST_UPSTREAM_REFERENCE") == "1"
 
 
+# Where DDP stays the reference on a GPU (upstream cannot run the job: a model in parts), the logged values'
+# tolerance is upstream's own distance from DDP on a job both run, measured on an H200 (TRL's DPO, policy
+# ZeRO-2, reference ZeRO-3: grad_norm 3.0e-5 relative at step 15, every other value within 1e-5; final
+# weights 3.6e-7), with the step to the next power of ten; on CPU DeepSpeed's and DDP's arithmetic agree to 1e-5.
+LOG_TOL = 1e-4 if torch.cuda.is_available() else FP32_TOL
+
+
 def compare(got, want, what):
     (glogs, gweights), (wlogs, wweights) = got, want
     assert len(glogs) == len(wlogs) and len(wlogs) >= 2, f"{what}: {len(glogs)} logged steps, DDP {len(wlogs)}"
     for g, w in zip(glogs, wlogs):
         for key in ("loss", "grad_norm", "learning_rate"):
-            assert abs(g[key] - w[key]) <= FP32_TOL * max(1.0, abs(w[key])), \
+            assert abs(g[key] - w[key]) <= LOG_TOL * max(1.0, abs(w[key])), \
                 f"{what}: step {w['step']} {key} {g[key]!r} vs DDP {w[key]!r}"
     errs = {n: (gweights[n] - wweights[n]).abs().max().item() for n in wweights}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= FP32_TOL, f"{what}: final weights differ from DDP's by {errs[worst]:.3e} (at {worst})"
+
+
+def _against(upstream, got, want, what, stage):
+    """``got`` against the reference run ``want``: upstream's same job bit for bit where upstream is the
+    reference (``upstream_is_reference``; ZeRO-3's gradient norm summed in another order: one fp32 ulp,
+    as measured for DPO), else DDP's within 1e-5."""
+    if upstream:
+        compare_bitwise(got[:2], want[:2], f"{what}, against upstream", norm_rtol=1e-7 if stage == 3 else 0.0)
+    else:
+        compare(got[:2], want[:2], f"{what}, against DDP")
 
 
 def trainer_vs_ddp(cases):
@@ -181,16 +198,18 @@ def trainer_vs_ddp(cases):
     from transformers import Trainer
 
     from deepspeed_multi.transformers import Trainer as MultiTrainer
+    upstream = upstream_is_reference()
     refs = {}
     for stage, gas, max_grad_norm, loss_kwargs in cases:
-        key = (gas, max_grad_norm, loss_kwargs)
+        key = (stage if upstream else None, gas, max_grad_norm, loss_kwargs)
         if key not in refs:
-            logs, weights, _ = run_trainer(Trainer, gas, max_grad_norm, loss_kwargs=loss_kwargs)
+            logs, weights, _ = run_trainer(Trainer, gas, max_grad_norm, loss_kwargs=loss_kwargs,
+                                           deepspeed=ds_config(stage, gas, None) if upstream else None)
             refs[key] = (logs, weights)
         logs, weights, _ = run_trainer(MultiTrainer, gas, max_grad_norm, deepspeed=ds_config(stage, gas, None),
                                        loss_kwargs=loss_kwargs)
-        compare((logs, weights), refs[key], f"ZeRO-{stage} gas {gas} max_grad_norm {max_grad_norm} "
-                                            f"{'token-normalized' if loss_kwargs else 'divided by gas'}")
+        _against(upstream, (logs, weights), refs[key], f"ZeRO-{stage} gas {gas} max_grad_norm {max_grad_norm} "
+                                                      f"{'token-normalized' if loss_kwargs else 'divided by gas'}", stage)
     _scale_wrt_gas_refused_outside_trainer()
     try:
         run_trainer(MultiTrainer, 1, 0.5, deepspeed=ds_config(0, 1, None))
@@ -500,10 +519,11 @@ def sft_vs_ddp(cases=((2, 2, False), (3, 2, True))):
     from trl import SFTTrainer
 
     from deepspeed_multi.transformers import multi_engine_trainer
+    upstream = upstream_is_reference()
     for stage, gas, packing in cases:
-        want = run_sft(SFTTrainer, gas, packing=packing)
+        want = run_sft(SFTTrainer, gas, packing=packing, deepspeed=ds_config(stage, gas, None) if upstream else None)
         got = run_sft(multi_engine_trainer(SFTTrainer), gas, deepspeed=ds_config(stage, gas, None), packing=packing)
-        compare(got[:2], want[:2], f"SFT ZeRO-{stage} gas {gas}{', packing' if packing else ''}")
+        _against(upstream, got, want, f"SFT ZeRO-{stage} gas {gas}{', packing' if packing else ''}", stage)
 
 
 # -------------------------------------------------------------------------------- TRL: GRPO
@@ -555,9 +575,11 @@ def grpo_vs_ddp(cases=((2, 1, True), (3, 2, False)), trainer="GRPO"):
     trainer_cls, config_cls = getattr(trl, f"{trainer}Trainer"), getattr(trl, f"{trainer}Config")
     policy_dir, reward_dir = _saved_policy_and_reward()
     z3 = {"zero_optimization": {"stage": 3}}
+    upstream = upstream_is_reference()
     for stage, gas, reward_model in cases:
         reward = reward_dir if reward_model else None
-        want = run_grpo(trainer_cls, gas, policy_dir, reward_dir=reward, config_cls=config_cls)
+        want = run_grpo(trainer_cls, gas, policy_dir, reward_dir=reward, config_cls=config_cls,
+                        deepspeed=ds_config(stage, gas, None) if upstream else None)
         roles = {"ref_model": z3, **({"reward_funcs": z3} if reward_model else {})}
         logs, weights, built = run_grpo(multi_engine_trainer(trainer_cls), gas, policy_dir,
                                         deepspeed=ds_config(stage, gas, None), roles=roles, reward_dir=reward,
@@ -565,8 +587,8 @@ def grpo_vs_ddp(cases=((2, 1, True), (3, 2, False)), trainer="GRPO"):
         stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
         assert stages == [(False, 3)] * (1 + reward_model) + [(True, stage)], \
             f"{trainer}: engines held by the Accelerator (trains, stage): {stages}"
-        compare((logs, weights), want[:2], f"{trainer} gas {gas}, policy ZeRO-{stage}, reference ZeRO-3"
-                                           f"{', reward model ZeRO-3' if reward_model else ''}")
+        _against(upstream, (logs, weights), want, f"{trainer} gas {gas}, policy ZeRO-{stage}, reference ZeRO-3"
+                                                  f"{', reward model ZeRO-3' if reward_model else ''}", stage)
     return dist.get_rank()
 
 
@@ -595,15 +617,18 @@ def distillation_vs_ddp(cases=((2, 1), (2, 2))):
         torch.manual_seed(1)
         causal_lm().save_pretrained(teacher_dir)
     dist.barrier()
+    upstream = upstream_is_reference()
     for stage, gas in cases:
-        want = run_distillation(DistillationTrainer, gas, policy_dir, teacher_dir)
+        want = run_distillation(DistillationTrainer, gas, policy_dir, teacher_dir,
+                                deepspeed=ds_config(stage, gas, None) if upstream else None)
         logs, weights, built = run_distillation(multi_engine_trainer(DistillationTrainer), gas, policy_dir,
                                                 teacher_dir, deepspeed=ds_config(stage, gas, None),
                                                 roles={"teacher_model": {"zero_optimization": {"stage": 3}}})
         stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
         assert stages == [(False, 3), (True, stage)], f"distillation: engines (trains, stage): {stages}"
         assert built.teacher_model.zero_optimization_stage() == 3
-        compare((logs, weights), want[:2], f"distillation gas {gas}, student ZeRO-{stage}, teacher ZeRO-3")
+        _against(upstream, (logs, weights), want, f"distillation gas {gas}, student ZeRO-{stage}, teacher ZeRO-3",
+                 stage)
     return dist.get_rank()
 
 
@@ -629,14 +654,17 @@ def online_dpo_vs_ddp(cases=((2, 1), (2, 2))):
     from deepspeed_multi.transformers import multi_engine_trainer
     policy_dir, reward_dir = _saved_policy_and_reward()
     z3 = {"zero_optimization": {"stage": 3}}
+    upstream = upstream_is_reference()
     for stage, gas in cases:
-        want = run_online_dpo(OnlineDPOTrainer, gas, policy_dir, reward_dir)
+        want = run_online_dpo(OnlineDPOTrainer, gas, policy_dir, reward_dir,
+                              deepspeed=ds_config(stage, gas, None) if upstream else None)
         logs, weights, built = run_online_dpo(multi_engine_trainer(OnlineDPOTrainer), gas, policy_dir, reward_dir,
                                               deepspeed=ds_config(stage, gas, None),
                                               roles={"ref_model": z3, "reward_funcs": z3})
         stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
         assert stages == [(False, 3), (False, 3), (True, stage)], f"online DPO: engines (trains, stage): {stages}"
-        compare((logs, weights), want[:2], f"online DPO gas {gas}, policy ZeRO-{stage}, reference and reward ZeRO-3")
+        _against(upstream, (logs, weights), want,
+                 f"online DPO gas {gas}, policy ZeRO-{stage}, reference and reward ZeRO-3", stage)
     return dist.get_rank()
 
 
@@ -677,14 +705,16 @@ def gkd_vs_ddp(cases=((2, 1), (2, 2))):
         torch.manual_seed(1)
         causal_lm().save_pretrained(teacher_dir)
     dist.barrier()
+    upstream = upstream_is_reference()
     for stage, gas in cases:
-        want = run_gkd(GKDTrainer, gas, policy_dir, teacher_dir)
+        want = run_gkd(GKDTrainer, gas, policy_dir, teacher_dir,
+                       deepspeed=ds_config(stage, gas, None) if upstream else None)
         logs, weights, built = run_gkd(multi_engine_trainer(GKDTrainer), gas, policy_dir, teacher_dir,
                                        deepspeed=ds_config(stage, gas, None),
                                        roles={"teacher_model": {"zero_optimization": {"stage": 3}}})
         stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
         assert stages == [(False, 3), (True, stage)], f"GKD: engines (trains, stage): {stages}"
-        compare((logs, weights), want[:2], f"GKD gas {gas}, student ZeRO-{stage}, teacher ZeRO-3")
+        _against(upstream, (logs, weights), want, f"GKD gas {gas}, student ZeRO-{stage}, teacher ZeRO-3", stage)
     return dist.get_rank()
 
 
