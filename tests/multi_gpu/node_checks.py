@@ -336,8 +336,7 @@ def node_local_program(disk):
     import checkpoint_checks
     if _attempt() == 0:
         shared = os.path.join(os.path.dirname(disk), "shared")  # (nodes.py mounts each node's own dir at disk)
-        out = {"rows": exact_rows(sorted(ROWS)), "mics": mics_refused(),
-               "shared": set_checkpoint_on_nodes(False, shared), "checkpoint": set_checkpoint_on_nodes(True, disk)}
+        out = dict(two_nodes_shared_disk(sorted(ROWS), shared), checkpoint=set_checkpoint_on_nodes(True, disk))
         checkpoint_checks.save_for_resize(os.path.join(disk, "resize"))
         print("CHECKS " + json.dumps(out), flush=True)
     return lost_node_run(disk)

@@ -49,7 +49,6 @@ def test_two_nodes_exact_node_local_disks_lost_node_and_fewer_nodes():
         results, _ = run_nodes("node_checks:two_nodes_shared_disk", ROWS, timeout_s=240)
         assert sorted(results[0]["rows"]) == ROWS and results[0]["shared"]["resume"] == "bit-identical", results[0]
     require_node_disks()
-    import node_checks
     started = time.monotonic()
     first = SimulatedNodes("node_checks:node_local_program", node_disks=True, max_restarts=2).start()
     try:
