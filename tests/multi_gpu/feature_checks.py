@@ -1,10 +1,12 @@
 """Rank functions for DeepSpeed's newer training features in multi-engine programs (test_deepspeed_api.py):
-torch_autocast's fp16 GradScaler, Muon, ZenFlow, SuperOffload. The matrix's ``knob-torch-autocast-*``
-rows measure torch_autocast's gradients; these check what a row cannot."""
+torch_autocast's fp16 GradScaler and its scope, and Muon. The matrix's ``knob-torch-autocast-*`` rows
+measure torch_autocast's gradients; these check what a row cannot (ZenFlow's and SuperOffload's refusals
+are unit tests: tests/unit/test_config.py)."""
 import deepspeed.comm as dist
 import torch
 
 import deepspeed_multi
+from deepspeed_multi.autograd.grad_scale import autocast_scaler
 from common import FP32_TOL, MLP, ds_config, full_params
 
 
@@ -32,7 +34,7 @@ def autocast_fp16_overflow_skips_on_every_rank(stage):
     model.fc2.weight.register_hook(overflow_here)
     engine = deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                         config=cfg)[0]
-    scaler = engine.torch_autocast_z0_gradscaler or engine.optimizer.torch_autocast_gradscaler
+    scaler = autocast_scaler(engine)
     x, y = _batch(0)
     ((engine(x) - y) ** 2).mean().backward()
     engine.step()

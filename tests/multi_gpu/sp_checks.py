@@ -210,22 +210,30 @@ def measure(built, ref, initial):
 
 # ------------------------------------------------------------------ the rank function
 @contextmanager
-def ulysses(model, sp):
-    """DeepSpeed's registration, undone at the end (attention function, groups, its mpu)."""
+def undone():
+    """Whatever a registration inside the block makes process-wide (the ``sdpa`` attention function,
+    DeepSpeed's sequence-parallel groups, its mpu), undone at the end; yields the saved ``sdpa``."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from deepspeed.utils import groups
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     saved_sdpa, saved_mpu = ALL_ATTENTION_FUNCTIONS["sdpa"], groups.mpu
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sequence_parallel_size=sp,
-                                                          micro_batch_size=BATCH, seq_length=LENGTH,
-                                                          seq_length_is_variable=False)
     try:
-        yield mpu, saved_sdpa
+        yield saved_sdpa
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = saved_sdpa
         groups.mpu = saved_mpu
-        parallel_state_sp._release_sequence_parallel_groups()
+        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+            parallel_state_sp._release_sequence_parallel_groups()
+
+
+@contextmanager
+def ulysses(model, sp):
+    """DeepSpeed's registration, undone at the end."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    with undone() as saved_sdpa:
+        yield UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sequence_parallel_size=sp,
+                                                              micro_batch_size=BATCH, seq_length=LENGTH,
+                                                              seq_length_is_variable=False), saved_sdpa
 
 
 def run_cases(cases, sp):

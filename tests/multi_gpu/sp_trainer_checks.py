@@ -5,8 +5,8 @@ sequence parallelism turned on the way Transformers and Accelerate users turn it
 The Trainer runs (a causal LM, and TRL's SFTTrainer) are compared with the same job under a DDP
 Trainer on the full sequences: the SP replica's micro-batch is the DDP job's global micro-batch
 (``per_device_train_batch_size`` doubled), the same samples in the same order. Each SP run's
-process-wide registration (the ``sdpa`` attention function, DeepSpeed's groups) is undone after it,
-so DDP runs and the other tests see plain attention.
+process-wide registration (the ``sdpa`` attention function, DeepSpeed's groups) is undone after it
+(``sp_checks.undone``), so DDP runs and the other tests see plain attention.
 """
 import contextlib
 import copy
@@ -15,27 +15,12 @@ import torch
 import torch.nn.functional as F
 
 import deepspeed.comm as dist
+import sp_checks
 import trainer_checks as tc
 from common import FP32_TOL, full_params
 from hf_models import VOCAB, causal_lm
 
 SP = 2
-
-
-@contextlib.contextmanager
-def sp_undone():
-    """Whatever a run under sequence parallelism registers process-wide, undone at the end."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.utils import groups
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    saved_sdpa, saved_mpu = ALL_ATTENTION_FUNCTIONS["sdpa"], groups.mpu
-    try:
-        yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = saved_sdpa
-        groups.mpu = saved_mpu
-        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
-            parallel_state_sp._release_sequence_parallel_groups()
 
 
 def parallelism(seq_length):
@@ -51,7 +36,7 @@ def _sp_args(seq_length):
 
 def run_clm(trainer_cls, stage, gas):
     """The causal-LM Trainer job of trainer_checks, under SP (``trainer_cls`` ours or upstream's Trainer)."""
-    with sp_undone():
+    with sp_checks.undone():
         return tc.run_trainer(trainer_cls, gas, 0.5, deepspeed=tc.ds_config(stage, gas, None), positions=True,
                               **_sp_args(tc.SEQ))[:2]
 
@@ -64,14 +49,10 @@ def _sft_rows():
 
 
 def run_sft(trainer_cls, gas, deepspeed=None, sp=False):
-    from trl import SFTConfig
-    tc._fresh_process_state()
-    model = causal_lm()
+    """trainer_checks' SFT job on fixed-length rows, under SP (``sp``) or not."""
     kw = _sp_args(16) if sp else {}
-    args = tc._trl_args(SFTConfig, gas, deepspeed, max_length=16, padding_free=False, **kw)
-    trainer = trainer_cls(model=model, args=args, train_dataset=_sft_rows(), processing_class=tc.word_tokenizer())
-    with sp_undone() if sp else contextlib.nullcontext():
-        return tc._train(trainer)[:2]
+    with sp_checks.undone() if sp else contextlib.nullcontext():
+        return tc.run_sft(trainer_cls, gas, deepspeed, rows=_sft_rows(), padding_free=False, **kw)[:2]
 
 
 def trainer_on_sp(cases=((1, 1), (2, 1), (3, 1), (2, 2)), sft=((2, 1), (3, 2))):
@@ -92,8 +73,7 @@ def trainer_on_sp(cases=((1, 1), (2, 1), (3, 1), (2, 2)), sft=((2, 1), (3, 2))):
         got = run_clm(MultiTrainer, stage, gas)
         tc.compare(got, ddp[gas], f"Trainer on SP {SP}, ZeRO-{stage} gas {gas}, vs DDP on the full sequences")
         if upstream and stage == 3:
-            tc.compare_bitwise(got, run_clm(Trainer, stage, gas), f"Trainer on SP, ZeRO-3 gas {gas}, vs upstream",
-                               norm_rtol=1e-6)
+            tc._against(True, got, run_clm(Trainer, stage, gas), f"Trainer on SP, ZeRO-3 gas {gas}", stage)
     for stage, gas in sft:
         want = run_sft(SFTTrainer, gas)
         got = run_sft(multi_engine_trainer(SFTTrainer), gas, tc.ds_config(stage, gas, None), sp=True)
@@ -106,7 +86,7 @@ def _dpo_on_sp_refused():
     from trl import DPOTrainer
 
     from deepspeed_multi.transformers import multi_engine_trainer
-    with sp_undone():
+    with sp_checks.undone():
         tc.expect_error(ValueError, lambda: tc.run_dpo(
             multi_engine_trainer(DPOTrainer), 1, deepspeed=tc.ds_config(2, 1, None),
             roles={"ref_model": tc.ds_config(3, 1, None)}, max_length=16, pad_to_multiple_of=16, **_sp_args(16)),
@@ -141,7 +121,8 @@ def _rlhf_terms(policy, reference, head, b):
 
 def accelerate_several_models_on_sp(stages=(3, 3, 2), steps=3):
     """A sequence-parallel policy (ZeRO ``stages[0]``), its frozen sequence-parallel reference (``stages[1]``)
-    and a sequence-parallel value model (``stages[2]``; Accelerate registers Ulysses for Transformers models only) prepared one by one through deepspeed_multi's Accelerator with
+    and a sequence-parallel value model (``stages[2]``; Accelerate registers Ulysses for Transformers models
+    only) prepared one by one through deepspeed_multi's Accelerator with
     ``ParallelismConfig(sp_backend="deepspeed")``, one ``accelerator.backward`` a step, against plain PyTorch
     on the full sequences ([Note: one Ulysses registration for every model]). Returns the max abs error."""
     from accelerate.utils import DeepSpeedPlugin
@@ -167,7 +148,7 @@ def accelerate_several_models_on_sp(stages=(3, 3, 2), steps=3):
             o.zero_grad()
     want = [full_params(plain[0]), full_params(plain[2])]
     reset_accelerate()
-    with sp_undone():
+    with sp_checks.undone():
         config = lambda stage: ds_config(stage, micro_bs=sp_checks.BATCH)  # noqa: E731
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config(stages[0])),
                                   parallelism_config=parallelism(sp_checks.LENGTH))
