@@ -140,6 +140,14 @@ def _freeze_survivors():
     gc.freeze()
 
 
+def _forget_torch_autocast():
+    """DeepSpeed records torch_autocast process-wide once an engine uses it, and upstream engines built
+    later take it as theirs ([Note: torch_autocast is per engine] in deepspeed_multi): a pool function
+    that built one must not change the next function's upstream engines."""
+    import deepspeed.runtime.torch_autocast as ds_autocast
+    ds_autocast.TORCH_AUTOCAST_INITIALIZED, ds_autocast.TORCH_AUTOCAST_DTYPE = False, None
+
+
 def _destroy_process_groups():
     """A process that exits with gloo groups alive can die in std::terminate while the
     interpreter finalizes (pytorch/pytorch#190489): destroy them while Python is whole."""
@@ -367,5 +375,6 @@ def _pool_rank_main(env, rank, world_size, port, gpu, log_dir, rank_setup, tasks
             results.put((seq, rank, None, traceback.format_exc()))
         finally:
             faulthandler.cancel_dump_traceback_later()
+            _forget_torch_autocast()
             _freeze_survivors()  # (collects first)
     _destroy_process_groups()
