@@ -13,7 +13,7 @@ from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
-from .zero import stage3_counters, torch_autocast
+from .zero import block_sizes, stage3_counters, torch_autocast
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")
     _refuse_mics(config)
+    block_sizes.fill(config, model, optimizer)  # [Note: sizes from the model's block]
     trains = optimizer is not None or "optimizer" in config
     refuse_parameters_of_live_engine(model, trains, "deepspeed_multi.initialize")
     if zero_stage(config) == 3 and isinstance(model, torch.nn.Module):

@@ -818,3 +818,66 @@ def round_robin_fp32_links(path):
             load()
             got, want = full_params(loaded), full_params(rr)
             assert all(torch.equal(got[n], want[n]) for n in want), f"{what}: the universal checkpoint's values"
+
+
+class _Blocks(nn.Module):
+    """Three blocks in a ModuleList and a head: the model whose block sizes the defaults (72 elements)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+_SIZE_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+
+
+def block_sizes_bitwise(stage, clip):
+    """[Note: sizes from the model's block]: a config that leaves the sizes unset gets the block's (72
+    elements: four reduction buckets, per-block prefetch and sub-groups at ZeRO-3); its AdamW updates
+    are plain PyTorch's and, on 2 ranks, the same bits as the same engine with DeepSpeed's defaults
+    written out (which are kept), with gradient clipping too."""
+    gas, block, world = 2, 72, dist.get_world_size()
+    unset = ds_config(stage, gas=gas, gradient_clipping=clip)
+    for key in _SIZE_KEYS:
+        unset["zero_optimization"].pop(key)
+    written = ds_config(stage, gas=gas, gradient_clipping=clip)
+    written["zero_optimization"].update(reduce_bucket_size=5 * 10**8, allgather_bucket_size=5 * 10**8,
+                                        stage3_prefetch_bucket_size=5 * 10**7, stage3_max_live_parameters=10**9,
+                                        stage3_max_reuse_distance=10**9, sub_group_size=10**9)
+
+    def build(cfg):
+        model = _Blocks(seed=1)
+        return deepspeed_multi.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                          config=cfg)[0]
+
+    sized, kept = build(unset), build(written)
+    zero = sized._config.zero_config
+    want = {"reduce_bucket_size": block}
+    want.update({"prefetch_bucket_size": block, "max_live_parameters": 2 * block, "max_reuse_distance": block,
+                 "sub_group_size": -(-block // world)} if stage == 3 else {"allgather_bucket_size": block})
+    got = {k: getattr(zero, k) for k in want}
+    assert got == want, f"ZeRO-{stage}: sizes from the block {got}, want {want}"
+    assert kept._config.zero_config.reduce_bucket_size == 5 * 10**8, f"ZeRO-{stage}: a written size was replaced"
+    if stage == 3:
+        assert len(sized.optimizer.fp16_groups) > 1, f"ZeRO-3: one sub-group, want one per block"
+    ref = _Blocks(seed=1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(4):
+        x, y = _batch(step)
+        for engine in (sized, kept):
+            ((engine(x) - y)**2).mean().backward()
+            engine.step()
+        _reference_micro_step(ref, ref_opt, step, gas, clip)
+    a, b = full_params(sized), full_params(kept)
+    worst = max((a[n] - b[n]).abs().max().item() for n in a)
+    assert worst == 0 or world > 2, f"ZeRO-{stage} clip={clip}: block sizes moved the weights by {worst:.3e}"
+    _assert_close(a, {n: p.detach() for n, p in ref.named_parameters()}, f"ZeRO-{stage} clip={clip} block sizes")
+    for engine in (sized, kept):
+        engine.destroy()

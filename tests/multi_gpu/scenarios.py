@@ -719,6 +719,26 @@ def _zero3_has(**attrs):
     return check
 
 
+def _block_sizes(stages, gas):
+    """Every engine's config leaves the bucket and prefetch sizes unset: each takes its model's block
+    (the largest Linear of these MLPs; [Note: sizes from the model's block]), several buckets per engine."""
+    from deepspeed_multi.zero.block_sizes import block_elements
+    scenario = _diamond(stages, gas=gas)
+    for member in scenario.members.values():
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+            member.config["zero_optimization"].pop(key)
+
+    def sized(engine):
+        block = block_elements(engine.module)
+        zero = engine._config.zero_config
+        return 0 < block < sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                               for p in engine.module.parameters()) and zero.reduce_bucket_size == block and (
+            engine.zero_optimization_stage() != 3 or zero.prefetch_bucket_size == block)
+
+    scenario.took_effect = _each(sized)
+    return scenario
+
+
 def _torch_autocast(stages, dtype, gas, distill=False):
     """DeepSpeed's torch_autocast (fp32 weights, each engine's forward under torch.autocast; Linear
     gradients communicated in ``dtype``) in every engine of the diamond, or, with ``distill``, on a
@@ -781,6 +801,8 @@ for _gas in (1, 2):
         f"knob-big-buckets-z123-gas{_gas}": functools.partial(
             _knob, _each(_opt_has(reduce_bucket_size=5 * 10**8)), gas=_gas, reduce_bucket_size=5 * 10**8,
             allgather_bucket_size=5 * 10**8, stage3_prefetch_bucket_size=5 * 10**8),
+        f"knob-block-sizes-z123-gas{_gas}": functools.partial(_block_sizes, (1, 2, 3), _gas),
+        f"knob-block-sizes-z332-gas{_gas}": functools.partial(_block_sizes, (3, 3, 2), _gas),
         f"knob-z3-persistent-live-reuse-z233-gas{_gas}": functools.partial(
             _knob, _each(_zero3_has(param_numel_persistence_threshold=64)), stages=(2, 3, 3), gas=_gas,
             stage3_param_persistence_threshold=64, stage3_max_live_parameters=256, stage3_max_reuse_distance=0),

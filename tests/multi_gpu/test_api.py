@@ -61,7 +61,8 @@ def test_skip_group_skips_together(stages):
 
 
 def test_bucket_buffers_sized_for_the_engine():
-    """deepspeed_multi/zero/bucket_size.py: [Note: buckets sized for the engine]."""
+    """deepspeed_multi/zero/bucket_size.py: [Note: buckets sized for the engine]; zero/block_sizes.py:
+    [Note: sizes from the model's block]."""
     run_distributed(_buckets)
 
 
@@ -75,6 +76,8 @@ def _buckets():
     for stage, dtype, overlap in [(1, "fp32", False), (2, "fp32", False), (2, "fp32", True), (2, "bf16", True),
                                   (3, "fp32", False), (3, "bf16", True)]:
         checks.bucket_buffers_sized(stage, dtype, overlap)
+    for stage, clip in [(1, 0.0), (2, 0.5), (3, 0.0), (3, 0.5)]:
+        checks.block_sizes_bitwise(stage, clip)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

@@ -1,0 +1,74 @@
+"""zero/block_sizes.py: which sizes a config leaves unset are taken from the model's block, and which are kept."""
+import pytest
+import torch
+import torch.nn as nn
+
+from deepspeed_multi.zero import block_sizes
+
+
+class Tower(nn.Module):
+    def __init__(self, width=16, blocks=3):
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width))
+                                    for _ in range(blocks))
+        self.head = nn.Linear(width, 1000)  # larger than a block: the block is the ModuleList's element
+
+
+BLOCK = 2 * (16 * 32) + 32 + 16
+
+
+def _fill(stage, optimizer=None, **zero):
+    config = {"zero_optimization": {"stage": stage, **zero}}
+    filled = block_sizes.fill(config, Tower(), optimizer)
+    return config["zero_optimization"], filled
+
+
+def test_block_is_the_largest_module_list_element_else_the_largest_own_parameters():
+    assert block_sizes.block_elements(Tower()) == BLOCK
+    assert block_sizes.block_elements(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 100))) == 8 * 100 + 100
+    assert block_sizes.block_elements(nn.ReLU()) == 0
+
+
+def test_zero3_unset_and_auto_sizes_come_from_the_block_written_ones_stay(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    zero, filled = _fill(3, torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), reduce_bucket_size="auto",
+                         prefetch_bucket_size=123)
+    assert zero["prefetch_bucket_size"] == 123 and "stage3_prefetch_bucket_size" not in filled
+    assert filled == {"reduce_bucket_size": BLOCK, "stage3_max_live_parameters": 2 * BLOCK,
+                      "stage3_max_reuse_distance": BLOCK, "sub_group_size": -(-BLOCK // 2)}
+    assert zero["reduce_bucket_size"] == BLOCK
+
+
+def test_zero12_sizes_and_nothing_at_zero0_or_with_the_switch_off(monkeypatch):
+    zero, filled = _fill(2, allgather_size=77)  # DeepSpeed's legacy name for allgather_bucket_size
+    assert filled == {"reduce_bucket_size": BLOCK} and zero["allgather_size"] == 77
+    assert _fill(0)[1] == {}
+    monkeypatch.setenv("DSM_BLOCK_SIZES", "0")
+    assert _fill(3)[1] == {}
+
+
+@pytest.mark.parametrize("optimizer, config_type, sized", [
+    (torch.optim.SGD, None, True), (torch.optim.Adam, None, True), (torch.optim.Adagrad, None, False),
+    (None, "AdamW", True), (None, "Lamb", False), (None, None, False)])
+def test_zero3_sub_groups_only_for_element_wise_optimizers(optimizer, config_type, sized):
+    config = {"zero_optimization": {"stage": 3}}
+    if config_type:
+        config["optimizer"] = {"type": config_type, "params": {}}
+    opt = optimizer([nn.Parameter(torch.zeros(1))], lr=0.1) if optimizer else None
+    assert ("sub_group_size" in block_sizes.fill(config, Tower(), opt)) is sized
+
+
+def test_never_above_deepspeeds_defaults():
+    class Huge(nn.Module):  # a block of 6e8 elements, counted from ds_numel without allocating it
+        def __init__(self):
+            super().__init__()
+            p = nn.Parameter(torch.empty(0))
+            p.ds_numel = 6 * 10**8
+            self.blocks = nn.ModuleList([nn.Module()])
+            self.blocks[0].w = p
+
+    config = {"zero_optimization": {"stage": 3}}
+    filled = block_sizes.fill(config, Huge())
+    assert filled["reduce_bucket_size"] == 5 * 10**8 and filled["stage3_prefetch_bucket_size"] == 5 * 10**7
+    assert filled["stage3_max_live_parameters"] == 10**9
