@@ -13,10 +13,10 @@ Prints a table and ``RESULT overhead_ratio_z1=.. overhead_ratio_z2=.. overhead_r
 (ours / upstream step time, fp32; goal <= 1.00 within noise), writes
 benchmarks/results/overhead.json and overhead.png.
 
-``--watchdog``, ``--rank-agreement``, ``--meet``, ``--bucket-size``, ``--lazy-grads``, ``--cast-on-gather`` and
-``--overflow-by-norm`` measure one feature instead: a third variant, ours with that feature off
-(``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``, ``agree_before_collectives=false``,
-``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0`` or
+``--watchdog``, ``--rank-agreement``, ``--meet``, ``--bucket-size``, ``--lazy-grads``, ``--cast-on-gather``,
+``--block-sizes`` and ``--overflow-by-norm`` measure one feature instead: a third variant, ours with that
+feature off (``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``, ``agree_before_collectives=false``,
+``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0``, ``DSM_BLOCK_SIZES=0`` or
 ``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
 (feature on, the default) / ours (off) as a paired ratio beside the upstream baseline of the same
 run, prints ``RESULT watchdog_ratio_z1=.. ..`` (``rank_agreement_ratio_..``,
@@ -48,7 +48,8 @@ FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
             "meet": {"config": {"agree_before_collectives": False}, "env": {}},
             "bucket_size": {"config": {}, "env": {"DSM_BUCKET_SIZE": "0"}},
             "lazy_grads": {"config": {}, "env": {"DSM_ZERO3_LAZY_GRADS": "0"}},
-            "cast_on_gather": {"config": {}, "env": {"DSM_ZERO3_CAST_ON_GATHER": "0"}}}
+            "cast_on_gather": {"config": {}, "env": {"DSM_ZERO3_CAST_ON_GATHER": "0"}},
+            "block_sizes": {"config": {}, "env": {"DSM_BLOCK_SIZES": "0"}}}
 
 
 # The interleaved timing run's deadline: with bf16 run on a CPU without bf16 kernels (BENCH_BF16=1), a feature
@@ -131,6 +132,9 @@ def main():
     ap.add_argument("--cast-on-gather", action="store_true",
                     help="ours with bf16 ZeRO-3's partition cast from the master at each gather "
                     "(zero/stage3_cast_on_gather.py) on vs off (use --dtypes bf16)")
+    ap.add_argument("--block-sizes", action="store_true",
+                    help="ours with the sizes a config leaves unset taken from the model's block (zero/block_sizes.py) "
+                    "on vs off (DeepSpeed's defaults)")
     ap.add_argument("--overflow-by-norm", action="store_true",
                     help="ours with the ZeRO-1/2 norm deciding overflow vs DeepSpeed's flag collective (see above)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],

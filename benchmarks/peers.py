@@ -28,16 +28,18 @@ import _bench as B
 SIZES = {"small": (256, 4), "large": (512, 8)}
 D_IN, ENC_LAYERS, SEQ, MICRO_BS = 64, 1, 32, 8
 VARIANTS = ["ours (Z2 + Z3)", "super-module (Z3)", "FSDP2"]
-# Ours with the ZeRO-3 LLM set to work per block, as FSDP2 does: reduction and prefetch buckets of
-# one block's elements, parameters released after their forward unless reused within one block,
-# the update and its gradient partitions in sub-groups of one block's partition (DeepSpeed's defaults, 5e8 /
-# 5e7 / 1e9 / 1e9 elements, keep a smaller model's whole unpartitioned gradient in the bucket
-# until the backward ends, every gathered block from its forward to its backward, and the
-# update's fp32 gradient and temporaries the size of the whole partition).
-BLOCK_BUCKETS = "ours, block-sized buckets"
-# The same with the encoder at ZeRO-3 too (per block): the sharding FSDP2 applies to both models. ZeRO-2
-# keeps a whole copy of the encoder's parameters on every rank; this variant shows what that costs.
-BOTH_ZERO3 = "ours (Z3 + Z3), block-sized buckets"
+# Ours at the settings users write leaves the bucket and prefetch sizes unset, so each engine takes
+# its model's block ([Note: sizes from the model's block], deepspeed_multi/zero/block_sizes.py).
+# This variant writes DeepSpeed's defaults out instead (kept as written): 5e8-element buckets, a 5e7
+# prefetch, 1e9 live parameters, reuse distance and sub-group, i.e. what DeepSpeed's defaults cost.
+DEEPSPEED_SIZES = "ours, DeepSpeed's default sizes"
+_DEEPSPEED_DEFAULTS = {2: dict(reduce_bucket_size=5 * 10**8, allgather_bucket_size=5 * 10**8),
+                       3: dict(reduce_bucket_size=5 * 10**8, stage3_prefetch_bucket_size=5 * 10**7,
+                               stage3_max_live_parameters=10**9, stage3_max_reuse_distance=10**9,
+                               sub_group_size=10**9)}
+# The encoder at ZeRO-3 too: the sharding FSDP2 applies to both models. ZeRO-2 keeps a whole copy of
+# the encoder's parameters on every rank; this variant shows what that costs.
+BOTH_ZERO3 = "ours (Z3 + Z3)"
 
 
 def _models(size):
@@ -90,14 +92,10 @@ def build_variant(variant, size, encoder, llm, dtype="fp32") -> Variant:
     mse = lambda out, y: ((out.float() - y)**2).mean()  # noqa: E731
     if variant.startswith("ours"):
         cfg = B.ds_config(3, dtype, micro_bs=MICRO_BS)
-        if variant in (BLOCK_BUCKETS, BOTH_ZERO3):
-            import torch.distributed as dist
-            block = B.n_params(llm.blocks[0])
-            # sub_group_size counts this rank's partition elements: one block's share is block / world
-            cfg["zero_optimization"].update(reduce_bucket_size=block, stage3_prefetch_bucket_size=block,
-                                            stage3_max_reuse_distance=block, stage3_max_live_parameters=2 * block,
-                                            sub_group_size=-(-block // dist.get_world_size()))
         enc_cfg = copy.deepcopy(cfg) if variant == BOTH_ZERO3 else B.ds_config(2, dtype, micro_bs=MICRO_BS)
+        if variant == DEEPSPEED_SIZES:
+            cfg["zero_optimization"].update(_DEEPSPEED_DEFAULTS[3])
+            enc_cfg["zero_optimization"].update(_DEEPSPEED_DEFAULTS[2])
         enc = B.build_engine(deepspeed_multi.initialize, encoder, enc_cfg)
         big = B.build_engine(deepspeed_multi.initialize, llm, cfg)
 
