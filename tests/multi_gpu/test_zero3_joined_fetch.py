@@ -26,7 +26,7 @@ from deepspeed_multi.zero import stage3_joined_fetch
 from common import MLP, ds_config, full_params
 from harness import run_distributed
 
-BIG = {"stage3_prefetch_bucket_size": 100_000}  # room for every engine's share
+BIG = {"stage3_prefetch_bucket_size": 100_000, "stage3_max_live_parameters": 10**9}  # room for every engine's share
 SMALL = {}  # common.ds_config's 64 elements: less than one engine's share, so nothing joins
 
 # name: (engines as (stage, dtype, trains, zero options), wiring, gas, steps, joins expected)
