@@ -61,6 +61,7 @@ ENVIRONMENT = (
     ("MAX_JOBS", "parallel compile jobs of torch's JIT builds"),
     ("CUDA_VISIBLE_DEVICES", "the GPUs this process sees"),
     ("LOCAL_RANK", "this rank on its node (launcher)"),
+    ("WORLD_SIZE", "ranks of the job (launcher): ZeRO-3 sub-groups sized from the model before the process group exists"),
     ("GROUP_RANK", "the node index (torchrun), for the watchdog and node-local checkpoints"),
     ("CROSS_RANK", "the node index (other launchers)"),
     ("SLURM_NODEID", "the node index under SLURM"),

@@ -15,20 +15,23 @@ never more than DeepSpeed's default: the largest element of its ``nn.ModuleList`
 Transformers model's decoder layers, a vision tower's blocks) or, where it has none, its largest
 module holding parameters itself. Reduction and all-gather buckets and the prefetch hold one block,
 ZeRO-3 keeps two blocks' parameters alive and releases a parameter unless it is reused within one
-block. A value the config sets is always kept (Transformers' and Accelerate's fill of ``"auto"``
+block, and, for an optimizer that updates element by element (SGD, Adam, AdamW), ZeRO-3 updates in
+sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
+time during the backward instead of all at once at its first gradient. A value the config sets is always kept (Transformers' and Accelerate's fill of ``"auto"``
 from ``hidden_size`` arrives as a value and is kept too).
 
 The sizes decide when a bucket is flushed and when a parameter is gathered or released, never
 which elements are summed: every gradient element is the same sum over the ranks in whichever
 bucket it travels (bit for bit on 2 ranks; with more ranks gloo's ring may add the ranks' values
 in another order for an element at another offset, a rounding of fp32's last bit, as any change of
-bucket size upstream does).
-
-``sub_group_size`` keeps DeepSpeed's default (one sub-group). Sized per block it would let ZeRO-3
-allocate its gradient partitions a block at a time (the encoder->LLM peak 1.02x FSDP2's instead of
-1.15x), but a set checkpoint saved with block sub-groups sized for 2 ranks and resumed on 4 through
-DeepSpeed's universal checkpoint came out 1.5e-4 off (test_resume_at_another_world_size), cause not
-found; the optimizer grouping stays DeepSpeed's until it is.
+bucket size upstream does). ``sub_group_size`` groups the update: an element-wise optimizer gives
+the same elements in any grouping, but ZeRO-3's gradient norm is the norm of the sub-groups' norms,
+so under ``gradient_clipping`` the clip factor may differ from the one-group run in fp32's last bit
+(as with any ``sub_group_size`` upstream); an optimizer that looks at a whole tensor (LAMB,
+Adafactor, Muon's fallback) sees DeepSpeed's flat sub-group as its tensor, so for it (and for a
+client optimizer of another class) ``sub_group_size`` keeps DeepSpeed's default. Several sub-groups
+meet a DeepSpeed bug at a resize, which the set checkpoint corrects ([Note: one step counter per
+sub-group] in checkpoint/resize.py).
 ``DSM_BLOCK_SIZES=0`` keeps DeepSpeed's defaults (for A/B runs).
 """
 from __future__ import annotations
@@ -54,6 +57,15 @@ _ZERO3 = {
 }
 
 
+_ELEMENTWISE = {"sgd", "adam", "adamw"}  # optimizer classes / config types whose update is per element
+
+
+def _elementwise(config: dict, optimizer) -> bool:
+    if optimizer is not None:
+        return type(optimizer) in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+    return str((config.get("optimizer") or {}).get("type", "")).lower() in _ELEMENTWISE
+
+
 def block_elements(model: torch.nn.Module) -> int:
     """Elements of the model's block (see the Note), 0 for a model without parameters."""
 
@@ -67,13 +79,22 @@ def block_elements(model: torch.nn.Module) -> int:
     return max(own, default=0)
 
 
+def _ranks() -> int:
+    """The ranks a ZeRO-3 partition is cut for, before the engine exists: the world (under model
+    parallelism the data-parallel group is smaller and the sub-groups a few blocks' share)."""
+    import os
+    dist = torch.distributed
+    return max(1, dist.get_world_size() if dist.is_available() and dist.is_initialized()
+               else int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def _unset(zero: dict, names) -> bool:
     return all(zero.get(name, "auto") == "auto" for name in names)
 
 
-def fill(config: dict, model) -> dict:
+def fill(config: dict, model, optimizer=None) -> dict:
     """``config`` with the unset (or ``"auto"``) sizes of its ZeRO stage set from ``model``'s block;
-    returns ``{key: value}`` of what it set."""
+    returns ``{key: value}`` of what it set. ``optimizer``: the client optimizer, if any."""
     zero = config.get("zero_optimization")
     stage = int((zero or {}).get("stage", 0))
     if stage == 0 or not isinstance(model, torch.nn.Module) or not switch_on(BLOCK_SIZES):
@@ -87,6 +108,9 @@ def fill(config: dict, model) -> dict:
             for name in names:
                 zero.pop(name, None)
             zero[key] = filled[key] = min(default, blocks * block)
+    if stage == 3 and _unset(zero, ("sub_group_size", )) and _elementwise(config, optimizer):
+        share = -(-block // _ranks())  # a sub-group counts this rank's partition elements: a block's share
+        zero["sub_group_size"] = filled["sub_group_size"] = min(10**9, share)
     if filled:
         logger.info("deepspeed_multi: %s at ZeRO stage %d: sizes the config leaves to DeepSpeed's defaults set from "
                     "its block of %d elements: %s", type(model).__name__, stage, block, filled)

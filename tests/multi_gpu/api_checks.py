@@ -840,7 +840,7 @@ _SIZE_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bu
 
 def block_sizes_bitwise(stage, clip):
     """[Note: sizes from the model's block]: a config that leaves the sizes unset gets the block's (72
-    elements: four reduction buckets, per-block prefetch at ZeRO-3); its AdamW updates
+    elements: four reduction buckets, per-block prefetch and sub-groups at ZeRO-3); its AdamW updates
     are plain PyTorch's and, on 2 ranks, the same bits as the same engine with DeepSpeed's defaults
     written out (which are kept), with gradient clipping too."""
     gas, block, world = 2, 72, dist.get_world_size()
@@ -861,10 +861,12 @@ def block_sizes_bitwise(stage, clip):
     zero = sized._config.zero_config
     want = {"reduce_bucket_size": block}
     want.update({"prefetch_bucket_size": block, "max_live_parameters": 2 * block, "max_reuse_distance": block,
-                 "sub_group_size": 10**9} if stage == 3 else {"allgather_bucket_size": block})
+                 "sub_group_size": -(-block // world)} if stage == 3 else {"allgather_bucket_size": block})
     got = {k: getattr(zero, k) for k in want}
     assert got == want, f"ZeRO-{stage}: sizes from the block {got}, want {want}"
     assert kept._config.zero_config.reduce_bucket_size == 5 * 10**8, f"ZeRO-{stage}: a written size was replaced"
+    if stage == 3:
+        assert len(sized.optimizer.fp16_groups) > 1, "ZeRO-3: one sub-group, want one per block"
     ref = _Blocks(seed=1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     for step in range(4):

@@ -131,6 +131,9 @@ def resume_resized(root, saved_world):
     world = dist.get_world_size()
     assert world != saved_world, (world, saved_world)
     engines = _build_resized(seed_offset=50)
+    # ZeRO-3 in several sub-groups (its block's share each): [Note: one step counter per sub-group]
+    assert any(e.zero_optimization_stage() == 3 and e.trains and len(e.optimizer.fp16_groups) > 1
+               for e in engines.values()), "no trained ZeRO-3 engine of the resize set has several sub-groups"
     state = deepspeed_multi.load_checkpoint(os.path.join(root, f"from{saved_world}"), engines)
     assert state == {"step": RESIZE_SAVE_AT}, state
     ref = torch.load(os.path.join(root, f"from{saved_world}.ref.pt"))

@@ -1,4 +1,5 @@
 """zero/block_sizes.py: which sizes a config leaves unset are taken from the model's block, and which are kept."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -17,9 +18,9 @@ class Tower(nn.Module):
 BLOCK = 2 * (16 * 32) + 32 + 16
 
 
-def _fill(stage, **zero):
+def _fill(stage, optimizer=None, **zero):
     config = {"zero_optimization": {"stage": stage, **zero}}
-    filled = block_sizes.fill(config, Tower())
+    filled = block_sizes.fill(config, Tower(), optimizer)
     return config["zero_optimization"], filled
 
 
@@ -29,11 +30,13 @@ def test_block_is_the_largest_module_list_element_else_the_largest_own_parameter
     assert block_sizes.block_elements(nn.ReLU()) == 0
 
 
-def test_zero3_unset_and_auto_sizes_come_from_the_block_written_ones_stay():
-    zero, filled = _fill(3, reduce_bucket_size="auto", prefetch_bucket_size=123)
+def test_zero3_unset_and_auto_sizes_come_from_the_block_written_ones_stay(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    zero, filled = _fill(3, torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), reduce_bucket_size="auto",
+                         prefetch_bucket_size=123)
     assert zero["prefetch_bucket_size"] == 123 and "stage3_prefetch_bucket_size" not in filled
     assert filled == {"reduce_bucket_size": BLOCK, "stage3_max_live_parameters": 2 * BLOCK,
-                      "stage3_max_reuse_distance": BLOCK}  # sub_group_size is never filled (see the Note)
+                      "stage3_max_reuse_distance": BLOCK, "sub_group_size": -(-BLOCK // 2)}
     assert zero["reduce_bucket_size"] == BLOCK
 
 
@@ -43,6 +46,17 @@ def test_zero12_sizes_and_nothing_at_zero0_or_with_the_switch_off(monkeypatch):
     assert _fill(0)[1] == {}
     monkeypatch.setenv("DSM_BLOCK_SIZES", "0")
     assert _fill(3)[1] == {}
+
+
+@pytest.mark.parametrize("optimizer, config_type, sized", [
+    (torch.optim.SGD, None, True), (torch.optim.Adam, None, True), (torch.optim.Adagrad, None, False),
+    (None, "AdamW", True), (None, "Lamb", False), (None, None, False)])
+def test_zero3_sub_groups_only_for_element_wise_optimizers(optimizer, config_type, sized):
+    config = {"zero_optimization": {"stage": 3}}
+    if config_type:
+        config["optimizer"] = {"type": config_type, "params": {}}
+    opt = optimizer([nn.Parameter(torch.zeros(1))], lr=0.1) if optimizer else None
+    assert ("sub_group_size" in block_sizes.fill(config, Tower(), opt)) is sized
 
 
 def test_never_above_deepspeeds_defaults():
