@@ -37,6 +37,9 @@ _DEEPSPEED_DEFAULTS = {2: dict(reduce_bucket_size=5 * 10**8, allgather_bucket_si
                        3: dict(reduce_bucket_size=5 * 10**8, stage3_prefetch_bucket_size=5 * 10**7,
                                stage3_max_live_parameters=10**9, stage3_max_reuse_distance=10**9,
                                sub_group_size=10**9)}
+# Ours with the block's sizes however small the block (option min_block_elements 0): FSDP2's per-block
+# granularity, at the cost of more collectives.
+PER_BLOCK = "ours, per block (min_block_elements 0)"
 # The encoder at ZeRO-3 too: the sharding FSDP2 applies to both models. ZeRO-2 keeps a whole copy of
 # the encoder's parameters on every rank; this variant shows what that costs.
 BOTH_ZERO3 = "ours (Z3 + Z3)"
@@ -93,6 +96,9 @@ def build_variant(variant, size, encoder, llm, dtype="fp32") -> Variant:
     if variant.startswith("ours"):
         cfg = B.ds_config(3, dtype, micro_bs=MICRO_BS)
         enc_cfg = copy.deepcopy(cfg) if variant == BOTH_ZERO3 else B.ds_config(2, dtype, micro_bs=MICRO_BS)
+        if variant == PER_BLOCK:
+            cfg["deepspeed_multi"] = {"min_block_elements": 0}
+            enc_cfg["deepspeed_multi"] = {"min_block_elements": 0}
         if variant == DEEPSPEED_SIZES:
             cfg["zero_optimization"].update(_DEEPSPEED_DEFAULTS[3])
             enc_cfg["zero_optimization"].update(_DEEPSPEED_DEFAULTS[2])

@@ -143,6 +143,9 @@ class MultiOptions:
     direct_use_check_updates: during the engine's first N updates, a backward pass in which a
         parameter receives gradient both from inside the engine's region and from a direct use
         outside it raises (see _outside_use.MixedUseCheck); -1 checks always, 0 never.
+    min_block_elements: bucket and prefetch sizes the config leaves unset are the model's block's,
+        counted as at least this many elements (see [Note: sizes from the model's block]); 0 sizes
+        them by the block alone.
     allow_mixed_dp_groups: allow one backward pass to reach this engine and engines on other
         data-parallel groups (another ``mpu``); every engine of that backward must allow it.
         Right only when the data is replicated across each model-parallel group, so that every
@@ -156,6 +159,7 @@ class MultiOptions:
     allow_mixed_dp_groups: bool = False
     direct_use_check_updates: int = 1
     agree_before_collectives: Optional[bool] = None
+    min_block_elements: int = 1 << 22
 
     @classmethod
     def from_config(cls, config: dict) -> "MultiOptions":
@@ -178,6 +182,10 @@ class MultiOptions:
         if options.agree_before_collectives not in (None, True, False):
             raise ValueError(f"deepspeed_multi: agree_before_collectives must be true, false or null (on with gloo, "
                              f"off with NCCL); got {options.agree_before_collectives!r}.")
+        floor = options.min_block_elements
+        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+            raise ValueError(f"deepspeed_multi: min_block_elements must be an integer >= 0 (the fewest elements a "
+                             f"bucket or prefetch sized from the model's block holds); got {floor!r}.")
         if not isinstance(options.allow_mixed_dp_groups, bool):
             raise ValueError(f"deepspeed_multi: allow_mixed_dp_groups must be true or false; got "
                              f"{options.allow_mixed_dp_groups!r}.")

@@ -74,7 +74,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")
     _refuse_mics(config)
-    block_sizes.fill(config, model, optimizer)  # [Note: sizes from the model's block]
+    block_sizes.fill(config, model, optimizer, options.min_block_elements)  # [Note: sizes from the model's block]
     trains = optimizer is not None or "optimizer" in config
     refuse_parameters_of_live_engine(model, trains, "deepspeed_multi.initialize")
     if zero_stage(config) == 3 and isinstance(model, torch.nn.Module):

@@ -120,7 +120,7 @@ def load_universal(engine, root, name):
         loaded = engine.load_checkpoint(root, tag=name)
     finally:
         config.load_universal_checkpoint = before
-    _own_step_counters(engine.optimizer)
+    _own_step_counters(getattr(engine, "optimizer", None))  # (None: an engine without one)
     return loaded
 
 

@@ -844,7 +844,7 @@ def block_sizes_bitwise(stage, clip):
     are plain PyTorch's and, on 2 ranks, the same bits as the same engine with DeepSpeed's defaults
     written out (which are kept), with gradient clipping too."""
     gas, block, world = 2, 72, dist.get_world_size()
-    unset = ds_config(stage, gas=gas, gradient_clipping=clip)
+    unset = ds_config(stage, gas=gas, gradient_clipping=clip, deepspeed_multi={"min_block_elements": 0})
     for key in _SIZE_KEYS:
         unset["zero_optimization"].pop(key)
     written = ds_config(stage, gas=gas, gradient_clipping=clip)

@@ -50,13 +50,16 @@ def _chain(set_name):
     return SETS.get(set_name) or FP16_SETS[set_name]
 
 
-def build(chain, seed_offset=0, frozen_offset=0, micro_bs=4):
+def build(chain, seed_offset=0, frozen_offset=0, micro_bs=4, zero3_sub_group_size=None):
     """Trainable engines start from weights of ``seed_offset``, engines without an optimizer from
-    ``frozen_offset``: a resume must overwrite both."""
+    ``frozen_offset``: a resume must overwrite both. ``zero3_sub_group_size``: the trained ZeRO-3
+    engines' ``sub_group_size``."""
     engines = {}
     for i, (name, stage, gas, trainable, *dtype) in enumerate(chain):
         model = MLP(seed=i + 1 + (seed_offset if trainable else frozen_offset))
         cfg = ds_config(stage, gas=gas, micro_bs=micro_bs, **(dict(dtype=dtype[0], **FP16_CONFIG) if dtype == ["fp16"] else {}))
+        if trainable and stage == 3 and zero3_sub_group_size is not None:
+            cfg["zero_optimization"]["sub_group_size"] = zero3_sub_group_size
         if trainable:
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
             engines[name] = deepspeed_multi.initialize(model=model, optimizer=opt, config=cfg)[0]
@@ -93,7 +96,8 @@ RESIZE_BATCH, RESIZE_SAVE_AT, RESIZE_TOTAL = 8, 2, 6
 
 
 def _build_resized(seed_offset=0):
-    return build(RESIZE_SET, seed_offset=seed_offset, frozen_offset=seed_offset, micro_bs=RESIZE_BATCH // dist.get_world_size())
+    return build(RESIZE_SET, seed_offset=seed_offset, frozen_offset=seed_offset, micro_bs=RESIZE_BATCH // dist.get_world_size(),
+                 zero3_sub_group_size=64)  # several sub-groups: [Note: one step counter per sub-group]
 
 
 def train_global_batch(engines, start, stop):

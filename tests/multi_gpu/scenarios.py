@@ -721,12 +721,14 @@ def _zero3_has(**attrs):
 
 def _block_sizes(stages, gas):
     """Every engine's config leaves the bucket and prefetch sizes unset: each takes its model's block
-    (the largest Linear of these MLPs; [Note: sizes from the model's block]), several buckets per engine."""
+    (the largest Linear of these MLPs, no floor; [Note: sizes from the model's block]), several buckets
+    per engine."""
     from deepspeed_multi.zero.block_sizes import block_elements
     scenario = _diamond(stages, gas=gas)
     for member in scenario.members.values():
         for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             member.config["zero_optimization"].pop(key)
+        member.config.setdefault("deepspeed_multi", {})["min_block_elements"] = 0  # these blocks are tiny
 
     def sized(engine):
         block = block_elements(engine.module)

@@ -72,3 +72,19 @@ def test_never_above_deepspeeds_defaults():
     filled = block_sizes.fill(config, Huge())
     assert filled["reduce_bucket_size"] == 5 * 10**8 and filled["stage3_prefetch_bucket_size"] == 5 * 10**7
     assert filled["stage3_max_live_parameters"] == 10**9
+
+
+def test_a_block_below_the_floor_counts_as_the_floor():
+    config = {"zero_optimization": {"stage": 3}}
+    filled = block_sizes.fill(config, Tower(), None, min_block=1 << 22)
+    assert filled == {"reduce_bucket_size": 1 << 22, "stage3_prefetch_bucket_size": 1 << 22,
+                      "stage3_max_live_parameters": 1 << 23, "stage3_max_reuse_distance": 1 << 22}
+
+
+def test_the_floor_option_is_checked():
+    import pytest
+
+    from deepspeed_multi.config import MultiOptions
+    assert MultiOptions.from_config({}).min_block_elements == 1 << 22
+    with pytest.raises(ValueError, match="min_block_elements must be an integer >= 0"):
+        MultiOptions.from_config({"deepspeed_multi": {"min_block_elements": -1}})
