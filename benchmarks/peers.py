@@ -39,7 +39,7 @@ _DEEPSPEED_DEFAULTS = {2: dict(reduce_bucket_size=5 * 10**8, allgather_bucket_si
                                sub_group_size=10**9)}
 # Ours with the block's sizes however small the block (option min_block_elements 0): FSDP2's per-block
 # granularity, at the cost of more collectives.
-PER_BLOCK = "ours, per block (min_block_elements 0)"
+PER_BLOCK = "ours, per block, no floor"
 # The encoder at ZeRO-3 too: the sharding FSDP2 applies to both models. ZeRO-2 keeps a whole copy of
 # the encoder's parameters on every rank; this variant shows what that costs.
 BOTH_ZERO3 = "ours (Z3 + Z3)"
