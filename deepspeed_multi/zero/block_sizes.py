@@ -19,13 +19,13 @@ block, and, for an optimizer that updates element by element (SGD, Adam, AdamW),
 sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
 time during the backward instead of all at once at its first gradient.
 
-A block smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304 elements
-by default: 16 MiB in fp32) counts as that many elements. Each bucket, prefetch and sub-group is
-one more collective, and a collective has a fixed cost (about 2 ms for gloo on 2 CPU ranks; tens of
-microseconds for NCCL) that small blocks do not amortize: per block, a 3-block model of 0.8M-element
-blocks stepped 1.20x slower than at DeepSpeed's defaults on 2 CPU ranks (re-gathering released
-parameters in the backward 0.09 of it, sub-groups 0.04, buckets 0.05), to save a few MiB. A value the config sets is always kept (Transformers' and Accelerate's fill of ``"auto"``
-from ``hidden_size`` arrives as a value and is kept too).
+A block smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304
+elements by default: 16 MiB in fp32) counts as that many elements. Each bucket, prefetch and
+sub-group is one more collective with a fixed cost (milliseconds on gloo, tens of microseconds on
+NCCL) that a small block does not amortize, and a small model's whole gradient is a few MiB: per
+block, small models step slower for no memory worth having (``overhead.py --block-sizes``,
+benchmarks/PERFORMANCE.md). A value the config sets is always kept (Transformers' and Accelerate's
+fill of ``"auto"`` from ``hidden_size`` arrives as a value and is kept too).
 
 The sizes decide when a bucket is flushed and when a parameter is gathered or released, never
 which elements are summed: every gradient element is the same sum over the ranks in whichever
@@ -35,7 +35,7 @@ bucket size upstream does). ``sub_group_size`` groups the update: an element-wis
 the same elements in any grouping, but ZeRO-3's gradient norm is the norm of the sub-groups' norms,
 so under ``gradient_clipping`` the clip factor may differ from the one-group run in fp32's last bit
 (as with any ``sub_group_size`` upstream); an optimizer that looks at a whole tensor (LAMB,
-Adafactor, Muon's fallback) sees DeepSpeed's flat sub-group as its tensor, so for it (and for a
+Adafactor) sees DeepSpeed's flat sub-group as its tensor, so for it (and for a
 client optimizer of another class) ``sub_group_size`` keeps DeepSpeed's default. Several sub-groups
 meet a DeepSpeed bug at a resize, which the set checkpoint corrects ([Note: one step counter per
 sub-group] in checkpoint/resize.py).

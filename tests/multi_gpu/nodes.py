@@ -152,6 +152,10 @@ class SimulatedNodes:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes), "--nproc_per_node",
                     str(self.nproc), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{self.port}",
                     "--rdzv_id", self.rdzv_id, "--rdzv_conf", f"is_host={1 if i == 0 else 0},join_timeout=120",
+                    # The rendezvous numbers nodes in the order of (address, agent pid): on one machine the pids
+                    # decide, and a replacement agent whose pid wrapped around (pid_max 32768) became node 0, its
+                    # ranks 0-1 on node 1's disk. A loopback address per node keeps node i at group rank i.
+                    "--local_addr", f"127.0.0.{i + 1}",
                     "--max_restarts", str(self.max_restarts), "--monitor_interval", "0.2", NODE_MAIN, self.program,
                     json.dumps({"args": self.args, "disk": self.disk})]
         if not self.node_disks:
