@@ -76,14 +76,13 @@ def _elementwise(config: dict, optimizer) -> bool:
 def block_elements(model: torch.nn.Module) -> int:
     """Elements of the model's block (see the Note), 0 for a model without parameters."""
 
-    def numel(module):
-        return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    def numel(module, recurse=True):  # ZeRO-3 parameters count their full size
+        return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters(recurse=recurse))
 
     repeated = [numel(m) for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
     if any(repeated):
         return max(repeated)
-    own = [sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in model.modules()]
-    return max(own, default=0)
+    return max((numel(m, recurse=False) for m in model.modules()), default=0)
 
 
 def _ranks() -> int:
