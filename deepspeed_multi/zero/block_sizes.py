@@ -51,17 +51,25 @@ from ..switches import BLOCK_SIZES, switch_on
 
 logger = logging.getLogger(__name__)
 
-# key -> (the names DeepSpeed reads it under, DeepSpeed's default, blocks it is sized to), by stage.
-_ZERO12 = {
-    "reduce_bucket_size": (("reduce_bucket_size", ), 5 * 10**8, 1),
-    "allgather_bucket_size": (("allgather_bucket_size", "allgather_size"), 5 * 10**8, 1),
-}
-_ZERO3 = {
-    "reduce_bucket_size": (("reduce_bucket_size", ), 5 * 10**8, 1),
-    "stage3_prefetch_bucket_size": (("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 5 * 10**7, 1),
-    "stage3_max_live_parameters": (("stage3_max_live_parameters", "max_live_parameters"), 10**9, 2),
-    "stage3_max_reuse_distance": (("stage3_max_reuse_distance", "max_reuse_distance"), 10**9, 1),
-}
+# DeepSpeedZeroConfig field -> blocks it is sized to, by stage. Each field's default and the name a
+# config file spells it with (its alias) are DeepSpeed's own (_field), so "never above DeepSpeed's
+# default" follows a DeepSpeed that changes them.
+_ZERO12 = {"reduce_bucket_size": 1, "allgather_bucket_size": 1}
+_ZERO3 = {"reduce_bucket_size": 1, "prefetch_bucket_size": 1, "max_live_parameters": 2, "max_reuse_distance": 1}
+# Names DeepSpeed reads outside the config model: get_zero_config copies "allgather_size" into
+# allgather_bucket_size.
+_LEGACY = {"allgather_bucket_size": ("allgather_size", )}
+
+
+def _field(name: str):
+    """(the key a config file writes, every name DeepSpeed reads the size under, DeepSpeed's default);
+    None where this DeepSpeed has no such field (the size is then left to it)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    field = DeepSpeedZeroConfig.model_fields.get(name)
+    if field is None or not isinstance(field.default, int):
+        return None
+    key = field.alias or name
+    return key, (key, *((name, ) if key != name else ()), *_LEGACY.get(name, ())), int(field.default)
 
 
 _ELEMENTWISE = {"sgd", "adam", "adamw"}  # optimizer classes / config types whose update is per element
@@ -111,14 +119,20 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
         return {}
     block = max(block, int(min_block))
     filled = {}
-    for key, (names, default, blocks) in (_ZERO3 if stage == 3 else _ZERO12).items():
+    for field, blocks in (_ZERO3 if stage == 3 else _ZERO12).items():
+        found = _field(field)
+        if found is None:
+            continue
+        key, names, default = found
         if _unset(zero, names):
             for name in names:
                 zero.pop(name, None)
             zero[key] = filled[key] = min(default, blocks * block)
-    if stage == 3 and _unset(zero, ("sub_group_size", )) and _elementwise(config, optimizer):
+    found = _field("sub_group_size") if stage == 3 else None
+    if found is not None and _unset(zero, found[1]) and _elementwise(config, optimizer):
+        key, _, default = found
         share = -(-block // _ranks())  # a sub-group counts this rank's partition elements: a block's share
-        zero["sub_group_size"] = filled["sub_group_size"] = min(10**9, share)
+        zero[key] = filled[key] = min(default, share)
     if filled:
         logger.info("deepspeed_multi: %s at ZeRO stage %d: sizes the config leaves to DeepSpeed's defaults set from "
                     "its block of %d elements: %s", type(model).__name__, stage, block, filled)

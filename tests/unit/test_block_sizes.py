@@ -74,6 +74,20 @@ def test_never_above_deepspeeds_defaults():
     assert filled["stage3_max_live_parameters"] == 10**9
 
 
+def test_deepspeeds_defaults_and_names_are_read_from_its_config_model(monkeypatch):
+    """Every size is a DeepSpeedZeroConfig field with an integer default (touch_points.tsv): a renamed
+    field would silently leave that size to DeepSpeed. A default DeepSpeed lowers is followed."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    fields = DeepSpeedZeroConfig.model_fields
+    for name in {*block_sizes._ZERO12, *block_sizes._ZERO3, "sub_group_size"}:
+        assert name in fields and isinstance(fields[name].default, int), name
+    assert block_sizes._field("prefetch_bucket_size")[:2] == (
+        "stage3_prefetch_bucket_size", ("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
+    monkeypatch.setattr(fields["reduce_bucket_size"], "default", 100)
+    zero, filled = _fill(3)
+    assert filled["reduce_bucket_size"] == 100 and filled["stage3_max_reuse_distance"] == BLOCK
+
+
 def test_a_block_below_the_floor_counts_as_the_floor():
     config = {"zero_optimization": {"stage": 3}}
     filled = block_sizes.fill(config, Tower(), None, min_block=1 << 22)
