@@ -34,7 +34,10 @@ reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then
 * peak RSS: the process's resident high-water mark above its resident set before the build (what
   peers.py reports), over the steps before the profiled one (the profiler's records are resident
   too): peak live plus the CPU allocator's slack, minus buffers never touched (not resident on a
-  CPU; a GPU allocates them in full).
+  CPU; a GPU allocates them in full);
+* resident memory by phase (CPU): the build's high-water mark, what stays resident after the build
+  and after each step, beside the live tensors: the difference is free memory the C allocator keeps
+  in its heap for reuse (see the table's caption).
 
 Counted bytes are exact and hardware-independent; RSS is this machine's. Max over ranks.
 
@@ -273,21 +276,32 @@ def profiled_step(variant, i):
     return out
 
 
+def _resident_mb(mem, field="VmRSS") -> float:
+    return (B._proc_status_kb(field) * 1024 - mem.base) / B.MB
+
+
 def breakdown(size, variant_name, dtype, steps=3) -> dict:
     import deepspeed.comm as dist
     mem = B.PeakMemory()
     variant = peers.build_variant(variant_name, size, *peers._models(size), dtype)  # the originals are dropped
+    gc.collect()
+    rss = {} if mem.gpu else {"build peak": _resident_mb(mem, "VmHWM"), "after build": _resident_mb(mem)}
     for i in range(steps - 1):
         variant.step(i)
+        if not mem.gpu:
+            rss[f"after step {i + 1}"] = _resident_mb(mem)
     peak = mem.peak_mb()  # before the profiled step: the profiler's own records are resident memory too
     gc.collect()
     live = sum(persistent(variant).totals().values())
+    if rss:
+        rss["live tensors"] = live / B.MB
     step = profiled_step(variant, steps - 1)
     row = {"size": size, "variant": variant_name, "dtype": dtype, "device": B.device().type, "peak_rss_mb": peak,
            "activations_mb": step["activations"] / B.MB,
            "by_buffer_mb": {k: v / B.MB for k, v in step["state"].items()},
            "live_at_step_start_mb": live / B.MB, "step_growth_mb": step["growth"] / B.MB,
-           "peak_live_mb": (live + step["growth"]) / B.MB, "peak_phase": step["peak_phase"], "at_peak": step["at_peak"]}
+           "peak_live_mb": (live + step["growth"]) / B.MB, "peak_phase": step["peak_phase"], "at_peak": step["at_peak"],
+           "rss_phases_mb": rss}
     if "cuda_peak" in step:
         row["cuda_at_step_start_mb"] = step["cuda_start"] / B.MB
         row["cuda_step_peak_mb"] = step["cuda_peak"] / B.MB
@@ -295,6 +309,7 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
     dist.all_gather_object(rows, row)
     highest = max(rows, key=lambda r: r["peak_live_mb"])  # the rank whose peak is reported: its phase, its tensors
     row["peak_phase"], row["at_peak"] = highest["peak_phase"], highest["at_peak"]
+    row["rss_phases_mb"] = {k: max(r["rss_phases_mb"][k] for r in rows) for k in rss}
     keys = set().union(*(r["by_buffer_mb"] for r in rows))
     row["by_buffer_mb"] = {k: max(r["by_buffer_mb"].get(k, 0.0) for r in rows) for k in keys}
     for key in ("activations_mb", "live_at_step_start_mb", "step_growth_mb", "peak_live_mb", "cuda_at_step_start_mb",
@@ -318,8 +333,31 @@ def _median_of_runs(runs):
                      and x["variant"] == "FSDP2") for run in runs]
         row["live_ratio_runs"] = [r["peak_live_mb"] / f["peak_live_mb"] for r, f in zip(same, fsdp)]
         row["live_ratio"] = B.median(row["live_ratio_runs"])  # paired: each run against FSDP2's of that run
+        row["rss_phases_mb"] = {k: B.median([r["rss_phases_mb"][k] for r in same]) for k in first.get("rss_phases_mb", {})}
         rows.append(row)
     return rows
+
+
+RSS_CAPTION = ("Resident memory by phase (CPU; MiB above the resident set before the build, median over repeats): "
+               "the build's high-water mark (the user's model, its copy and the engines' construction copies), what "
+               "stays resident after the build and after each step, and the live tensors at the start of the last "
+               "step; resident - live is the C allocator's free memory kept in the heap (glibc reuses it for the next "
+               "allocations instead of returning it) and what the walk does not see.")
+
+
+def rss_table(rows) -> str:
+    """The resident set by phase (CPU runs only; "" on a GPU)."""
+    keys = list(next((r["rss_phases_mb"] for r in rows if r.get("rss_phases_mb")), {}))
+    if not keys:
+        return ""
+    steps = [k for k in keys if k.startswith("after step")]
+    return B.fmt_table(["size", "dtype", "variant", "build peak", "after build", *steps, "peak RSS",
+                        "live tensors", "resident - live"],
+                       [[r["size"], r["dtype"], r["variant"]] + [f"{r['rss_phases_mb'][k]:.1f}"
+                                                                for k in ("build peak", "after build", *steps)]
+                        + [f"{r['peak_rss_mb']:.1f}", f"{r['rss_phases_mb']['live tensors']:.1f}",
+                           f"{r['rss_phases_mb'][steps[-1]] - r['rss_phases_mb']['live tensors']:.1f}"]
+                        for r in rows])
 
 
 def _column(row, category):
@@ -412,6 +450,10 @@ def main():
     print(f"\nPer rank, step 3 (max over {B.WORLD_SIZE} ranks on {rows[0]['device']}); state = the buffers' sum "
           f"after the last backward; peak RSS = {B.memory_kind()}\n")
     print(table)
+    phases = rss_table(rows)
+    if phases:
+        print(f"\n{RSS_CAPTION}\n")
+        print(phases)
     if detail:
         print("\n'other', by the attribute that holds it:\n")
         print(detail)
@@ -430,7 +472,8 @@ def main():
         + ((("cuda", "cuda_step_peak_mb"), ) if cuda else ()))
     print(result)
 
-    shown = table + (f"\n\n'other', by the attribute that holds it:\n\n{detail}" if detail else "")
+    shown = (table + (f"\n\n'other', by the attribute that holds it:\n\n{detail}" if detail else "")
+             + (f"\n\n{RSS_CAPTION}\n\n{phases}" if phases else ""))
     B.save("memory_breakdown", {"meta": B.meta(), "rows": rows, "table": shown, "result": result}, plotter(rows))
 
 

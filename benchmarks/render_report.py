@@ -147,17 +147,21 @@ class Report:
         self.start("Single-engine overhead against upstream",
                    "one engine, one model (`overhead.py`): `deepspeed_multi.initialize` + `loss.backward()`",
                    "upstream `deepspeed.initialize` + `engine.backward(loss)`, same ranks, steps interleaved",
-                   "python benchmarks/overhead.py --dtypes fp32 bf16 --steps 40 --no-memory")
+                   "python benchmarks/overhead.py --dtypes fp32 bf16 --steps 40")
         for rel, card in (("overhead.json", "CPU"), ("gpu/overhead.json", "GPU")):
             data = self.result(rel)
             if data is None:
                 continue
             rows = []
+            memory = all("mem_ratio" in r for r in data["rows"])  # each variant alone in fresh processes
             for r in data["rows"]:
                 rows.append([f"ZeRO-{r['stage']}", r["dtype"], self.fig(r["upstream_ms"], ".1f"),
-                             self.fig(r["ours_ms"], ".1f"),
-                             self.ratio(r["raw_ms"]["ours"], r["raw_ms"]["upstream"])])
-            self.table(["stage", "dtype", "upstream ms", "ours ms", "ours / upstream (IQR)"], rows)
+                             self.fig(r["ours_ms"], ".1f"), self.ratio(r["raw_ms"]["ours"], r["raw_ms"]["upstream"])]
+                            + ([self.fig(r["upstream_mem_mb"], ".1f"), self.fig(r["ours_mem_mb"], ".1f"),
+                                self.fig(r["mem_ratio"])] if memory else []))
+            self.table(["stage", "dtype", "upstream ms", "ours ms", "ours / upstream (IQR)"]
+                       + ([f"upstream peak {'RSS' if card == 'CPU' else 'allocated'} MiB", "ours peak MiB",
+                           "ours / upstream, memory"] if memory else []), rows)
             if card == "GPU":
                 self.headline(f"one engine on one {self.fig(data['meta']['gpu'])}, one rank, fp32 / bf16",
                               "upstream `engine.backward(loss)`",
@@ -309,6 +313,7 @@ class Report:
             self.out("MiB per rank after the last backward, by holder; peak of live tensors over a step / FSDP2's "
                      "(median over repeats, with their range):", "")
             self.memory_table(mem, "peak_live_mb")
+            self.rss_table(mem)
             ours = [r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"]
             self.headline("peak live tensors, encoder -> LLM, default settings", "PyTorch FSDP2",
                           ", ".join(f"{r['size']} {r['dtype']} {self.fig(r['live_ratio'], '.2f')}" for r in ours))
@@ -338,6 +343,26 @@ class Report:
             rows.append([r["size"], r["dtype"], r["variant"]] + [self.fig(by.get(b, 0.0), ".1f") for b in buckets] + [
                 self.fig(r["activations_mb"], ".1f"), self.fig(r[peak_key], ".1f"), r["peak_phase"], ratio])
         self.table(["size", "dtype", "variant"] + buckets + ["activations", "peak", "peak phase", "peak / FSDP2"], rows)
+
+    def rss_table(self, data):
+        """memory_breakdown's resident set by phase (CPU runs; absent from older results)."""
+        rows = [r for r in data["rows"] if r.get("rss_phases_mb")]
+        if not rows:
+            return
+        steps = [k for k in rows[0]["rss_phases_mb"] if k.startswith("after step")]
+        self.out("Resident memory by phase, MiB above the resident set before the build (median over repeats): the "
+                 "build's high-water mark (the user's model, its copy and the engines' construction copies), what "
+                 "stays resident after the build and after each step, and the live tensors at the start of the "
+                 "profiled step. Resident minus live is mostly free memory the C allocator (glibc) keeps in its heap "
+                 "to reuse for the next allocations (the super-module is left out: its bucket at DeepSpeed's default size "
+                 "is allocated but never touched, so never resident):", "")
+        self.table(["size", "dtype", "variant", "build peak", "after build", *map(self.fig, steps), "peak RSS", "live tensors",
+                    "resident - live"],
+                   [[r["size"], r["dtype"], r["variant"]]
+                    + [self.fig(r["rss_phases_mb"][k], ".1f") for k in ("build peak", "after build", *steps)]
+                    + [self.fig(r["peak_rss_mb"], ".1f"), self.fig(r["rss_phases_mb"]["live tensors"], ".1f"),
+                       self.fig(r["rss_phases_mb"][steps[-1]] - r["rss_phases_mb"]["live tensors"], ".1f")]
+                    for r in rows if not r["variant"].startswith("super")])
 
     def parts(self):
         self.start("One model in parts: against whole-model ZeRO-3 and FSDP2",
