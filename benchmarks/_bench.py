@@ -258,6 +258,10 @@ class PeakMemory:
         else:
             self.base = _proc_status_kb("VmRSS") * 1024
 
+    def resident_mb(self, field: str = "VmRSS") -> float:
+        """This rank's CPU resident set (``VmHWM``: its high-water mark) above the starting point, in MiB."""
+        return (_proc_status_kb(field) * 1024 - self.base) / MB
+
     def peak_mb(self) -> float:
         """Max over ranks of the peak above the starting point, in MiB."""
         import deepspeed.comm as dist

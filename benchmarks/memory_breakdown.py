@@ -276,20 +276,16 @@ def profiled_step(variant, i):
     return out
 
 
-def _resident_mb(mem, field="VmRSS") -> float:
-    return (B._proc_status_kb(field) * 1024 - mem.base) / B.MB
-
-
 def breakdown(size, variant_name, dtype, steps=3) -> dict:
     import deepspeed.comm as dist
     mem = B.PeakMemory()
     variant = peers.build_variant(variant_name, size, *peers._models(size), dtype)  # the originals are dropped
     gc.collect()
-    rss = {} if mem.gpu else {"build peak": _resident_mb(mem, "VmHWM"), "after build": _resident_mb(mem)}
+    rss = {} if mem.gpu else {"build peak": mem.resident_mb("VmHWM"), "after build": mem.resident_mb()}
     for i in range(steps - 1):
         variant.step(i)
         if not mem.gpu:
-            rss[f"after step {i + 1}"] = _resident_mb(mem)
+            rss[f"after step {i + 1}"] = mem.resident_mb()
     peak = mem.peak_mb()  # before the profiled step: the profiler's own records are resident memory too
     gc.collect()
     live = sum(persistent(variant).totals().values())

@@ -96,8 +96,6 @@ def test_a_block_below_the_floor_counts_as_the_floor():
 
 
 def test_the_floor_option_is_checked():
-    import pytest
-
     from deepspeed_multi.config import MultiOptions
     assert MultiOptions.from_config({}).min_block_elements == 1 << 22
     with pytest.raises(ValueError, match="min_block_elements must be an integer >= 0"):
