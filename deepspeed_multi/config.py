@@ -133,13 +133,14 @@ class MultiOptions:
     watchdog_timeout_s: a rank that spends longer than this in one of the engine's collective
         regions (ZeRO-3 forward, ZeRO-2/3 backward, step) fails every rank with an error naming
         the engine (see watchdog.py); 0 turns the watchdog off.
-    agree_before_collectives: before the collectives of a ZeRO-2/3 backward and of an update, the
-        ranks of the engine's data-parallel group meet at the rendezvous store (not the process
-        group), so a rank that skipped the engine waits there, where the watchdog names the
-        engine, instead of entering another engine's collective (gloo aborts on mismatched sizes
-        before the watchdog can act; see [Note: ranks meet before an engine's collectives] in
-        watchdog.py). None (the default): on with gloo, off with NCCL (a mismatch there hangs,
-        and the watchdog names it). Needs the watchdog on.
+    agree_before_collectives: before the collectives of a ZeRO-3 forward, a ZeRO-2/3 backward and
+        an update, the ranks of the engine's data-parallel group meet at the rendezvous store (not
+        the process group) wherever the loop's recent regions do not predict the region, so a rank
+        that left the loop's path waits there, where the watchdog names the engine, instead of
+        entering another engine's collective (gloo aborts on mismatched sizes before the watchdog
+        can act; see [Note: ranks meet before an engine's collectives] in watchdog.py and
+        region_sequence.py). None (the default): on with gloo, off with NCCL (a mismatch there
+        hangs, and the watchdog names it). Needs the watchdog on.
     direct_use_check_updates: during the engine's first N updates, a backward pass in which a
         parameter receives gradient both from inside the engine's region and from a direct use
         outside it raises (see _outside_use.MixedUseCheck); -1 checks always, 0 never.

@@ -51,19 +51,25 @@ sizes of what it receives: when one rank skipped engine A and entered engine B's
 while another entered A's, the sizes differ and gloo aborts the process (SIGABRT, "Received
 data size doesn't match expected size", uncatchable) seconds in, naming nothing. So, where the
 option ``agree_before_collectives`` is on (the default with gloo), the ranks of an engine's
-data-parallel group first meet at the rendezvous store, a TCP key-value server apart from the
-process group: before the collectives of a ZeRO-3 forward and a ZeRO-2/3 backward (ZeRO-3
-gathers, ZeRO-2 reduces in every one) and of a ZeRO-2/3 update. (A ZeRO-0/1 update needs no
-meeting: its rank agreement, one all-reduce that every engine's update starts with, carries the
-engine's serial number, so two ranks in different engines' updates both raise; rank_agreement.py.
-A meeting there would be one more synchronization point per update: 2% of a step, measured.) Each rank adds 1 to
-the engine's counter for that region and polls it until every rank of the group has added its
-n-th 1. A rank whose partner went elsewhere waits there, inside the marked region, so the
-watchdog ends every rank naming the engine and the backward counts. Polling, not the store's
-blocking ``wait``: the watchdog thread shares the store client and must still reach it. Cost:
-two or three store round trips per engine and region; measured in benchmarks/PERFORMANCE.md.
-A region where the engine has no collective (a ZeRO-0/1 backward, a frozen ZeRO-0/1/2 engine, a
-step inside the accumulation window) does not meet: ranks may legitimately differ there.
+data-parallel group meet at the rendezvous store, a TCP key-value server apart from the process
+group, before the collectives of the regions that have them: a ZeRO-3 forward, a ZeRO-2/3
+backward (ZeRO-3 gathers, ZeRO-2 reduces in every one), an update. Each rank adds 1 to the
+engine's counter for that region and polls it until every rank of the group has added its n-th
+1. A rank whose partner went elsewhere waits there, inside the marked region, so the watchdog
+ends every rank naming the engine and the backward counts. Polling, not the store's blocking
+``wait``: the watchdog thread shares the store client and must still reach it.
+
+A meeting is held only where the group's recent regions do not predict the region entered
+(region_sequence.py, [Note: a meeting only where the sequence departs from its past]): a loop
+stops meeting once its regions repeat, and the rank that leaves the loop's path still meets
+before its first collective. Collectives of deepspeed.comm issued outside every engine's region
+are entries of the same sequence (outside.py). The ZeRO-0/1 updates of a group (a boundary
+step() of a trained engine) are entries too, and share one meeting row: each starts with its rank agreement,
+one all-reduce of one size that carries the engine's serial number (rank_agreement.py), so two
+ranks in different engines' updates pass the meeting and both raise there at once, naming both
+engines. A region where the engine has no collective
+(a ZeRO-0/1 backward, a frozen ZeRO-0/1/2 engine, a step inside the accumulation window) is no
+entry and does not meet: ranks may legitimately differ there.
 """
 import atexit
 import functools
@@ -80,6 +86,8 @@ import weakref
 import torch
 
 from ..autograd import graph
+from . import outside
+from .region_sequence import RegionSequence, group_key
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +133,15 @@ class EngineWatch:
         self.index = index  # engines are built in the same order on every rank
         self.marks = {}
         self.monitor, self.agree = monitor, agree
-        self.met = {}  # region -> how many times this rank met the others there
+        self.met = {}  # region -> how many times this rank reached it (a meeting there held or skipped)
+        self.held = {}  # region -> how many meetings this rank held there
 
     def enter(self, what):
         self.marks[what] = time.monotonic()
 
     def leave(self, what):
         self.marks.pop(what, None)
+        self.monitor.entered.discard((self.index, what))
 
     def backward_reached(self):
         """A gradient reached the engine: mark "backward" once per backward pass.
@@ -149,17 +159,28 @@ class EngineWatch:
                 self.meet("backward")
 
     def meet(self, what):
-        """Wait at the store until every rank of the engine's group reached ``what`` as often as this
-        one (see [Note: ranks meet before an engine's collectives])."""
+        """Record ``what`` in the group's sequence and, where the sequence did not predict it, wait at the
+        store until every rank of the group reached it as often (see [Note: ranks meet before an engine's
+        collectives])."""
         if not self.agree:
             return
         engine = self.engine()
-        if what == "step" and (self.stage < 2 or engine is None or not engine.trains or not engine.is_update_boundary()):
-            return  # ZeRO-0/1: the rank agreement at step() compares the engines, off the critical path
+        if what == "step" and (engine is None or not engine.trains or not engine.is_update_boundary()):
+            return  # no collective in this step()
         ranks = getattr(engine, "_dsm_dp_ranks", None) or tuple(range(self.monitor.world))
         if len(ranks) < 2:
             return
-        n = self.met[what] = self.met.get(what, 0) + 1
+        self.monitor.entered.add((self.index, what))  # its collectives are the region's, not entries (outside.py)
+        self.met[what] = self.met.get(what, 0) + 1
+        if self.monitor.sequence(ranks).predicted((self.index, what)):
+            return  # the group's recent regions predicted this one (region_sequence.py)
+        n = self.held[what] = self.held.get(what, 0) + 1
+        if self.stage < 2:  # ZeRO-0/1 updates all start with one same-sized rank agreement, which names both
+            # engines (rank_agreement.py): their meetings share one row, so two ranks in different engines'
+            # updates pass it and raise there at once instead of waiting for the watchdog.
+            n = self.monitor.count_shared_meeting(ranks)
+            self.monitor.meet(f"meet/zero01-step/{group_key(ranks)}", len(ranks) * n)
+            return
         self.monitor.meet(f"meet/{self.index}/{what}/{ranks[0]}", len(ranks) * n)
 
     def _end_of_graph_task(self):
@@ -173,6 +194,7 @@ class EngineWatch:
         return {"index": self.index, "name": self.name, "stage": self.stage,
                 "backwards": getattr(engine, "_window_backwards", None),
                 "micro_steps": getattr(engine, "_window_micro_steps", None), "met": dict(self.met),
+                "held": dict(self.held),
                 "in": {what: round(now - t0, 1) for what, t0 in list(self.marks.items())}}
 
 
@@ -285,16 +307,35 @@ class _Monitor(threading.Thread):
         self._stopping = threading.Event()
         self._failing = False
         self._fail_lock = threading.Lock()
+        self.sequences = {}  # a group's ranks -> its RegionSequence
+        self.outside = None  # the OutsideWatch, once an engine's ranks meet
+        self.shared_meetings = {}  # a group's ranks -> meetings held at its ZeRO-0/1 updates' shared row
+        self.entered = set()  # (engine index, region): regions engines are in that were sequence entries
 
     def add(self, engine, timeout_s, agree=False):
         watch = EngineWatch(engine, timeout_s, self.added, self, agree)
         self.added += 1  # (not len(watches): an index stays the same engine's after another leaves)
         self.watches.append(watch)
         self.poll_s = min(self.poll_s, max(0.1, timeout_s / 5))
+        if agree:
+            if self.outside is None:
+                self.outside = outside.OutsideWatch(self)
+                self.watches.append(self.outside)
+            self.outside.timeout_s = min(self.outside.timeout_s, float(timeout_s))
+            outside.install(self.outside)
         return watch
+
+    def count_shared_meeting(self, ranks) -> int:
+        n = self.shared_meetings[ranks] = self.shared_meetings.get(ranks, 0) + 1
+        return n
+
+    def in_engine_region(self) -> bool:
+        """Is an engine of this process inside a region it entered as a sequence entry (see outside.py)?"""
+        return bool(self.entered)
 
     def remove(self, watch):
         self.watches = [w for w in self.watches if w is not watch]  # (a new list: _check may be walking one)
+        self.entered -= {entry for entry in self.entered if entry[0] == watch.index}
 
     # ------------------------------------------------------------ the loop
     def run(self):
@@ -358,6 +399,12 @@ class _Monitor(threading.Thread):
 
     def _store_add(self, key, n):
         return self._get_store().add(_PREFIX + key, n)
+
+    def sequence(self, ranks):
+        ranks = tuple(ranks)
+        if ranks not in self.sequences:
+            self.sequences[ranks] = RegionSequence()
+        return self.sequences[ranks]
 
     def meet(self, key, target):
         """Count this rank in at ``key`` and poll until the count reaches ``target`` (no deadline: the
@@ -461,6 +508,12 @@ def _whoami():
     return {"host": socket.gethostname(), "pid": os.getpid(), "node": node_index()}
 
 
+def _where(failure):
+    if failure["index"] < 0:
+        return f"a {outside.NAME} {failure['what']} outside every engine's regions"
+    return f"MultiEngine ({failure['name']}, ZeRO stage {failure['stage']})'s {_REGIONS.get(failure['what'], failure['what'])}"
+
+
 def _span(ranks):
     return ", ".join(str(r) for r in ranks)
 
@@ -488,8 +541,13 @@ def format_message(failures, reports, world, rank, members=None, cause=None):
             lines.append(f"  the collective failed on rank {rank} with: {cause}")
     if failures and some_lost:
         f = failures[0]
-        lines.append(f"  rank {f['rank']} waited {f['waited_s']} s in MultiEngine ({f['name']}, ZeRO stage "
-                     f"{f['stage']})'s {_REGIONS.get(f['what'], f['what'])}")
+        lines.append(f"  rank {f['rank']} waited {f['waited_s']} s in {_where(f)}")
+    elif failures and failures[0]["index"] < 0:
+        f = failures[0]
+        lines.append(
+            f"deepspeed_multi watchdog (rank {rank}): rank {f['rank']} waited {f['waited_s']} s to run {_where(f)}, "
+            f"more than watchdog_timeout_s={f['timeout_s']:g}: the other ranks of its group went elsewhere. "
+            "Stopping every rank.")
     elif failures:
         f = failures[0]
         lines.append(
@@ -502,7 +560,7 @@ def format_message(failures, reports, world, rank, members=None, cause=None):
     elif not lines:
         lines.append(f"deepspeed_multi watchdog (rank {rank}): another rank reported a stuck collective but its "
                      "report could not be read.")
-    suspects = [failures[0]["index"]] if failures else []
+    suspects = [failures[0]["index"]] if failures and failures[0]["index"] >= 0 else []
     for index in suspects:
         counts = []
         for r in range(world):
@@ -511,11 +569,13 @@ def format_message(failures, reports, world, rank, members=None, cause=None):
             counts.append(f"rank {r}: {e['backwards']}" if e is not None else f"rank {r}: no report")
         name, what = failures[0]["name"], failures[0]["what"]
         lines.append(f"  backward passes through {name} since its last update, by rank: " + ", ".join(counts))
-        met = [(r, e.get("met", {}).get(what)) for r in range(world)
+        met = [(r, e.get("met", {}).get(what), e.get("held", {}).get(what)) for r in range(world)
                for e in reports.get(r, {}).get("engines", []) if e["index"] == index]
-        if any(n is not None for _, n in met):
-            lines.append(f"  times each rank reached {name}'s {what} collectives (the ranks meet at the store "
-                         "before them): " + ", ".join(f"rank {r}: {n or 0}" for r, n in met))
+        if any(n is not None for _, n, _ in met):
+            lines.append(f"  times each rank reached {name}'s {what} collectives: "
+                         + ", ".join(f"rank {r}: {n or 0}" for r, n, _ in met)
+                         + " (meetings held there, where the loop's recent regions did not predict it: "
+                         + ", ".join(f"rank {r}: {h or 0}" for r, _, h in met) + ")")
     for r in range(world):
         rep = reports.get(r)
         if rep is None:

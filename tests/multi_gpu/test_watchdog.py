@@ -36,14 +36,16 @@ def test_one_rank_skips_engine(stage, skip):
         assert took >= TIMEOUT_S, f"rank {r} exited {took:.1f} s after the divergence, before the timeout:\n{logs}"
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_rank_skips_into_another_engines_collective(stage):
+@pytest.mark.parametrize("stage,steps", [(0, 2), (1, 2), (2, 2), (3, 2), (2, 8), (3, 8)])
+def test_rank_skips_into_another_engines_collective(stage, steps):
     """Rank 1 skips Critic's update and enters Actor's, whose collectives differ in size: every rank
     exits within the timeout, rank 0 naming Critic and rank 1 naming Actor, before gloo's size check
-    can abort a process (issue 24's third reproduction: SIGABRT at ZeRO-1/2, naming nothing)."""
+    can abort a process (issue 24's third reproduction: SIGABRT at ZeRO-1/2, naming nothing). After
+    2 steps both ranks meet at the divergence; after 8 the rank still on the loop's path skips its
+    meeting (the loop's recent regions predict its region) and waits in the region's collective."""
     region = {2: "backward", 3: "forward"}.get(stage)
-    ranks = run_ranks_to_exit(checks.one_rank_skips_into_another_engine, stage, TIMEOUT_S, world_size=2,
-                              timeout_s=150)
+    ranks = run_ranks_to_exit(checks.one_rank_skips_into_another_engine, stage, TIMEOUT_S, steps=steps,
+                              world_size=2, timeout_s=150)
     logs = "\n".join(f"----- rank {r} (exit {x['exitcode']}) -----\n{x['log'][-3000:]}" for r, x in enumerate(ranks))
     diverged = [float(t) for x in ranks for t in re.findall(r"^DIVERGE ([0-9.]+)$", x["log"], re.M)]
     assert len(diverged) == 2, f"both ranks must reach the divergence:\n{logs}"
@@ -67,5 +69,40 @@ def test_rank_skips_into_another_engines_collective(stage):
         mark = region.rstrip("()")
         assert re.search(r"^  rank 0 \(.*\): in Critic %s for" % mark, x["log"], re.M), logs
         assert re.search(r"^  rank 1 \(.*\): in Actor %s for" % mark, x["log"], re.M), logs
-        counts = "rank 0: 3, rank 1: 2" if msg.group(1) == "Critic" else "rank 0: 2, rank 1: 3"
-        assert re.search(r"reached %s's %s collectives .*: %s$" % (msg.group(1), mark, counts), x["log"], re.M), logs
+        counts = re.search(r"reached %s's %s collectives: rank 0: (\d+), rank 1: (\d+) \(meetings held there, "
+                           r".*: rank 0: (\d+), rank 1: (\d+)\)$" % (msg.group(1), mark), x["log"], re.M)
+        assert counts, logs
+        reached, held = [int(n) for n in counts.groups()[:2]], [int(n) for n in counts.groups()[2:]]
+        ahead = 0 if msg.group(1) == "Critic" else 1  # the rank that reached the named engine's region once more
+        assert reached[ahead] == steps + 1 and reached[1 - ahead] == steps, logs
+        if steps == 2:  # no run of regions has repeated yet: every meeting was held
+            assert held == reached, logs
+        else:  # the loop's meetings were skipped once its regions repeated; the rank that left the path met
+            assert held[1 - ahead] < steps, logs
+            met_at_divergence = (ahead == 0) == (stage == 3)  # ZeRO-3: rank 0's Critic forward left the path
+            assert held[ahead] == held[1 - ahead] + int(met_at_divergence), logs
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_rank_runs_a_collective_outside_the_engines(stage):
+    """After 8 steps, rank 0 alone all-reduces a metric through deepspeed.comm while rank 1 goes on
+    training: every rank exits within the timeout, rank 0 named waiting before or in its all_reduce,
+    and gloo never pairs the metric with an engine's collective."""
+    ranks = run_ranks_to_exit(checks.one_rank_runs_a_collective_of_its_own, stage, TIMEOUT_S, world_size=2,
+                              timeout_s=150)
+    logs = "\n".join(f"----- rank {r} (exit {x['exitcode']}) -----\n{x['log'][-3000:]}" for r, x in enumerate(ranks))
+    diverged = [float(t) for x in ranks for t in re.findall(r"^DIVERGE ([0-9.]+)$", x["log"], re.M)]
+    assert len(diverged) == 2, f"both ranks must reach the divergence:\n{logs}"
+    assert "Received data size" not in logs, f"gloo aborted on mismatched sizes:\n{logs}"
+    start = min(diverged)
+    for r, x in enumerate(ranks):
+        assert x["exitcode"] not in (None, 0), f"rank {r} exit code {x['exitcode']} (None: still running):\n{logs}"
+        took = x["exited_at"] - start
+        assert TIMEOUT_S <= took <= TIMEOUT_S + SLACK_S, f"rank {r} took {took:.1f} s to exit:\n{logs}"
+        assert re.search(r"^deepspeed_multi watchdog \(rank %d\): " % r, x["log"], re.M), logs
+        # Rank 0 waits at its meeting (its group predicted another region), or, where nothing was predicted
+        # yet (ZeRO-1's two updates a step take 8 steps to fill the window), in the all-reduce itself while
+        # rank 1 waits at its update's meeting.
+        assert re.search(r"^  rank 0 \(.*\): (in deepspeed.comm all_reduce for|in no engine's collective region; "
+                         r"main thread at \S+ all_reduce)", x["log"], re.M), logs
+        assert re.search(r"^  rank 1 \(.*\): in (Actor|Critic) (forward|step) for", x["log"], re.M), logs
