@@ -2,8 +2,10 @@
 
 On a GPU every collective and every kernel launch is a fixed latency, and every host sync stalls
 the launch queue, so these counts predict what the CPU box cannot time. One step is counted after
-three warm-up steps (ZeRO-3 records its trace in the first two; the third is the first joined
-fetch's, whose parameter set the ranks compare once: zero/stage3_joined_fetch.py), on every rank,
+eight warm-up steps (ZeRO-3 records its trace in the first two; the third is the first joined
+fetch's, whose parameter set the ranks compare once: zero/stage3_joined_fetch.py; the ranks stop
+meeting at the store once the loop's regions repeat, after 16 regions and one step: reliability/
+region_sequence.py), on every rank,
 by a ``TorchDispatchMode`` that sees every operator below autograd (forward, backward and the
 optimizer), including ``c10d`` collectives:
 
@@ -13,8 +15,8 @@ optimizer), including ``c10d`` collectives:
 * host syncs: operators that hand a device value to Python (``_local_scalar_dense``: ``.item()``,
   ``bool(t)``; ``is_nonzero``; ``equal``), each a stall on a GPU;
 * store meetings: our ranks' rendezvous-store meetings before an engine's collectives
-  (``agree_before_collectives``, on by default with gloo; off with NCCL), round trips to the
-  store that the dispatcher does not see;
+  (``agree_before_collectives``, on by default with gloo; off with NCCL; held only where the loop's
+  recent regions do not predict the region), round trips to the store that the dispatcher does not see;
 * allocated MiB: the bytes of the tensors the step's factory operators create (``empty``,
   ``zeros``, ``*_like``, ...), touched or not: what a GPU's allocator is asked for (ZeRO-1/2's
   bucket buffers, allocated every window, are the large part at DeepSpeed's default bucket size).
@@ -115,7 +117,7 @@ class _StoreMeetings:
         self.cls.meet = self.original
 
 
-def count_step(step, warmup=3) -> dict:
+def count_step(step, warmup=8) -> dict:
     """Run ``step(i)`` ``warmup`` times, then count one step; the counts of this rank."""
     for i in range(warmup):
         step(i)

@@ -472,8 +472,9 @@ class Report:
 
     def counts(self):
         self.start("What one step issues", "one step of `growth.py`'s towers and of the RLHF step, counted (not timed; "
-                   "max over ranks): collectives, operators dispatched, host syncs, store meetings (our ranks' "
-                   "rendezvous before an engine's collectives, gloo only) and what the step allocates",
+                   "max over ranks; after eight warm-up steps): collectives, operators dispatched, host syncs, store "
+                   "meetings (our ranks' rendezvous before an engine's collectives, gloo only, held where the loop's "
+                   "recent regions do not predict the region) and what the step allocates",
                    "upstream (N `deepspeed.initialize` engines, one `loss.backward()`) and the super-module",
                    "python benchmarks/counts.py")
         data = self.result("counts.json")
@@ -608,7 +609,8 @@ class Report:
     def reliability(self):
         self.start("Watchdog and rank-meeting cost",
                    "one engine (the overhead model), ours with the watchdog on and off, with the ranks' meeting "
-                   "before an engine's collectives (`agree_before_collectives`) on and off, and with the ZeRO-0/1 "
+                   "before an engine's collectives (`agree_before_collectives`, held only where the loop's recent "
+                   "regions do not predict the region) on and off, and with the ZeRO-0/1 "
                    "rank-agreement check on and off",
                    "ours with the feature off, and upstream, interleaved in the same ranks",
                    "python benchmarks/overhead.py --watchdog && python benchmarks/overhead.py --meet && "
