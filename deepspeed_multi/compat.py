@@ -375,14 +375,20 @@ def _sources(func: Callable) -> List[str]:
         found = [textwrap.dedent(inspect.getsource(func))]
     except (OSError, TypeError):
         return ["<no source>"]
+    for inner in closed_over(func):
+        found.extend(_sources(inner))
+    return found
+
+
+def closed_over(func: Callable):
+    """The functions ``func``'s closure holds: what a decorator that kept no ``functools.wraps`` wraps."""
     for cell in getattr(func, "__closure__", None) or ():
         try:
             inner = cell.cell_contents
         except ValueError:  # an empty cell
             continue
         if inspect.isfunction(inner):
-            found.extend(_sources(inner))
-    return found
+            yield inner
 
 
 def source_hash(func: Callable) -> str:

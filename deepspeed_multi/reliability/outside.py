@@ -33,6 +33,7 @@ _COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce", "r
                 "all_gather_object", "broadcast", "broadcast_object_list", "all_to_all", "all_to_all_single",
                 "gather", "scatter", "barrier", "monitored_barrier")
 NAME = "deepspeed.comm"  # how the watchdog names these regions
+FEATURE = "outside_collectives"
 
 
 class OutsideWatch:
@@ -85,9 +86,6 @@ def _ranks(group, world):
         return tuple(range(world))
 
 
-FEATURE = "outside_collectives"
-
-
 def install(watch) -> None:
     """Count the collective methods of DeepSpeed's current communication backend in their groups'
     sequences (once per backend object: a process that initializes DeepSpeed's communication again
@@ -97,8 +95,11 @@ def install(watch) -> None:
     if backend is None or compat.installed(backend, FEATURE):
         return
     for name in _COLLECTIVES:
-        if callable(getattr(type(backend), name, None)):
-            compat.replace_method(backend, name, _entered_first(watch, name, getattr(type(backend), name)), FEATURE)
+        method = getattr(type(backend), name, None)
+        # A method whose group cannot be found is left alone: keyed by the world, a subgroup's ranks would
+        # wait for ranks that never come.
+        if callable(method) and group_position(method) is not None:
+            compat.replace_method(backend, name, _entered_first(watch, name, method), FEATURE)
 
 
 def group_position(method):
@@ -117,25 +118,16 @@ def group_position(method):
             params = []
         if "group" in params:
             return params.index("group") - 1
-        for cell in getattr(func, "__closure__", None) or ():
-            try:
-                inner = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if inspect.isfunction(inner):
-                todo.append(inspect.unwrap(inner))
+        todo.extend(inspect.unwrap(inner) for inner in compat.closed_over(func))
     return None
 
 
 def _entered_first(watch, name, method):
-    position = group_position(method)
+    position = group_position(method)  # group is positional there, or a keyword
 
     def collective(self, *args, **kwargs):
         if not watch.monitor.in_engine_region():
-            if "group" in kwargs:
-                group = kwargs["group"]
-            else:
-                group = args[position] if position is not None and position < len(args) else None
+            group = kwargs["group"] if "group" in kwargs else args[position] if position < len(args) else None
             watch.meet_before(name, group)
         return compat.original(self, name)(*args, **kwargs)
 

@@ -60,16 +60,15 @@ ends every rank naming the engine and the backward counts. Polling, not the stor
 ``wait``: the watchdog thread shares the store client and must still reach it.
 
 A meeting is held only where the group's recent regions do not predict the region entered
-(region_sequence.py, [Note: a meeting only where the sequence departs from its past]): a loop
-stops meeting once its regions repeat, and the rank that leaves the loop's path still meets
-before its first collective. Collectives of deepspeed.comm issued outside every engine's region
-are entries of the same sequence (outside.py). The ZeRO-0/1 updates of a group (a boundary
-step() of a trained engine) are entries too, and share one meeting row: each starts with its rank agreement,
-one all-reduce of one size that carries the engine's serial number (rank_agreement.py), so two
-ranks in different engines' updates pass the meeting and both raise there at once, naming both
-engines. A region where the engine has no collective
-(a ZeRO-0/1 backward, a frozen ZeRO-0/1/2 engine, a step inside the accumulation window) is no
-entry and does not meet: ranks may legitimately differ there.
+(region_sequence.py, [Note: a meeting only where the sequence departs from its past]): a loop stops
+meeting once its regions repeat, and the rank that leaves the loop's path still meets before its
+first collective. Collectives of deepspeed.comm issued outside every engine's region are entries of
+the same sequence (outside.py). The ZeRO-0/1 updates of a group (a boundary step() of a trained
+engine) are entries too, and share one meeting row: each starts with its rank agreement, one
+all-reduce of one size that carries the engine's serial number (rank_agreement.py), so two ranks in
+different engines' updates pass the meeting and both raise there at once, naming both engines. A
+region where the engine has no collective (a ZeRO-0/1 backward, a frozen ZeRO-0/1/2 engine, a step
+inside the accumulation window) is no entry and does not meet: ranks may legitimately differ there.
 """
 import atexit
 import functools
@@ -326,8 +325,8 @@ class _Monitor(threading.Thread):
         return watch
 
     def count_shared_meeting(self, ranks) -> int:
-        n = self.shared_meetings[ranks] = self.shared_meetings.get(ranks, 0) + 1
-        return n
+        self.shared_meetings[ranks] = self.shared_meetings.get(ranks, 0) + 1
+        return self.shared_meetings[ranks]
 
     def in_engine_region(self) -> bool:
         """Is an engine of this process inside a region it entered as a sequence entry (see outside.py)?"""

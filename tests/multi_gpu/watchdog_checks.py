@@ -23,6 +23,16 @@ def _engine(cls, stage, timeout_s, seed, agree=None, **model_kw):
                                       config=cfg)[0]
 
 
+def _train(actor, critic, steps):
+    """``steps`` steps of Actor -> Critic under one loss; the last batch."""
+    for step in range(steps):
+        x, y = _batch(step)
+        ((critic(actor(x)) - y)**2).mean().backward()
+        actor.step()
+        critic.step()
+    return x, y
+
+
 def _batch(step):
     g = torch.Generator().manual_seed(10 * step + dist.get_rank())
     return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
@@ -47,11 +57,7 @@ def one_rank_skips_critic(stage, timeout_s, failed_backward_first, skip="update"
     timeout before the divergence: the stale "backward" mark must not fire.
     """
     actor, critic = _engine(Actor, stage, timeout_s, 1), _engine(Critic, stage, timeout_s, 2)
-    for step in range(steps):
-        x, y = _batch(step)
-        ((critic(actor(x)) - y)**2).mean().backward()
-        actor.step()
-        critic.step()
+    x, y = _train(actor, critic, steps)
     if failed_backward_first:
         handle = critic.module.fc2.weight.register_hook(_raise)
         try:
@@ -84,11 +90,7 @@ def one_rank_skips_into_another_engine(stage, timeout_s, agree=None, steps=2):
     """
     actor = _engine(Actor, stage, timeout_s, 1, agree)
     critic = _engine(Critic, stage, timeout_s, 2, agree, d_hidden=40)
-    for step in range(steps):
-        x, y = _batch(step)
-        ((critic(actor(x)) - y)**2).mean().backward()
-        actor.step()
-        critic.step()
+    x, y = _train(actor, critic, steps)
     print(f"DIVERGE {time.time()}", flush=True)
     if dist.get_rank() == 0:
         ((critic(x) - y)**2).mean().backward()
@@ -109,11 +111,7 @@ def one_rank_runs_a_collective_of_its_own(stage, timeout_s, steps=8):
     update. Without either meeting the metric's all-reduce would pair with an engine's collective
     (gloo aborts on the sizes)."""
     actor, critic = _engine(Actor, stage, timeout_s, 1), _engine(Critic, stage, timeout_s, 2)
-    for step in range(steps):
-        x, y = _batch(step)
-        ((critic(actor(x)) - y)**2).mean().backward()
-        actor.step()
-        critic.step()
+    x, y = _train(actor, critic, steps)
     print(f"DIVERGE {time.time()}", flush=True)
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(3))

@@ -69,3 +69,19 @@ def test_the_table_is_bounded():
     for i in range(100):
         seq.predicted((i, "forward"))
     assert len(seq.next_of) <= 8
+
+
+def test_the_group_argument_is_found_through_deepspeeds_decorators():
+    """outside.py keys a collective by its group: DeepSpeed's backend methods hide their signatures behind
+    decorators without functools.wraps (``stage_on_cpu``), so the position is read from the function inside."""
+    from deepspeed.comm.torch import TorchBackend
+
+    from deepspeed_multi.reliability.outside import _COLLECTIVES, group_position
+
+    expected = {"all_reduce": 2, "reduce_scatter_tensor": 3, "all_gather_into_tensor": 2, "broadcast": 2, "barrier": 0}
+    for name, position in expected.items():
+        assert group_position(getattr(TorchBackend, name)) == position, name
+    for name in _COLLECTIVES:
+        method = getattr(TorchBackend, name, None)
+        if method is not None:
+            assert group_position(method) is not None, f"TorchBackend.{name}: no group argument found"
