@@ -22,9 +22,11 @@ before. Two ranks that both go elsewhere both meet, in different rows. A sequenc
 every rank alike (an engine every rank skips this step, a new engine, a longer accumulation
 window) misses the prediction on every rank, and they all meet, as they did before.
 
-What a skipped meeting no longer covers: a rank whose partner runs a collective of its own outside
-any engine (its own ``all_reduce``) instead of the predicted region pairs that collective with the
-region's first one, as it would without meetings. A user collective must be reached by every rank.
+A rank can also leave the path for a collective of no engine's region; those issued through
+``deepspeed.comm`` are entries too (outside.py). What a skipped meeting no longer covers: a rank
+whose partner runs a collective of its own through ``torch.distributed`` directly instead of the
+predicted region pairs that collective with the region's first one, as it would without meetings.
+A user collective must be reached by every rank.
 
 ``WINDOW`` covers the period of a training loop that steps several engines with gradient
 accumulation (each micro-step's forward and backward of each engine is one entry or two); a
