@@ -14,10 +14,10 @@ Prints a table and ``RESULT overhead_ratio_z1=.. overhead_ratio_z2=.. overhead_r
 benchmarks/results/overhead.json and overhead.png.
 
 ``--watchdog``, ``--rank-agreement``, ``--meet``, ``--bucket-size``, ``--lazy-grads``, ``--cast-on-gather``,
-``--block-sizes`` and ``--overflow-by-norm`` measure one feature instead: a third variant, ours with that
-feature off (``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``, ``agree_before_collectives=false``,
-``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0``, ``DSM_BLOCK_SIZES=0`` or
-``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
+``--block-sizes``, ``--rank-order`` and ``--overflow-by-norm`` measure one feature instead: a third variant, ours
+with that feature off (``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``, ``agree_before_collectives=false``,
+``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0``, ``DSM_BLOCK_SIZES=0``,
+``DSM_ZERO3_RANK_ORDER=0`` or ``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
 (feature on, the default) / ours (off) as a paired ratio beside the upstream baseline of the same
 run, prints ``RESULT watchdog_ratio_z1=.. ..`` (``rank_agreement_ratio_..``,
 ``overflow_by_norm_ratio_..``) and writes results/overhead_watchdog.json (and so on). ``--dtypes``
@@ -49,7 +49,8 @@ FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
             "bucket_size": {"config": {}, "env": {"DSM_BUCKET_SIZE": "0"}},
             "lazy_grads": {"config": {}, "env": {"DSM_ZERO3_LAZY_GRADS": "0"}},
             "cast_on_gather": {"config": {}, "env": {"DSM_ZERO3_CAST_ON_GATHER": "0"}},
-            "block_sizes": {"config": {}, "env": {"DSM_BLOCK_SIZES": "0"}}}
+            "block_sizes": {"config": {}, "env": {"DSM_BLOCK_SIZES": "0"}},
+            "rank_order": {"config": {}, "env": {"DSM_ZERO3_RANK_ORDER": "0"}}}
 
 
 # The interleaved timing run's deadline: with bf16 run on a CPU without bf16 kernels (BENCH_BF16=1), a feature
@@ -135,6 +136,9 @@ def main():
     ap.add_argument("--block-sizes", action="store_true",
                     help="ours with the sizes a config leaves unset taken from the model's block (zero/block_sizes.py) "
                     "on vs off (DeepSpeed's defaults)")
+    ap.add_argument("--rank-order", action="store_true",
+                    help="ours with ZeRO-3's bucket laid out in the reduce-scatter's rank order (zero/stage3_rank_order.py) "
+                    "on vs off (packed at each flush)")
     ap.add_argument("--overflow-by-norm", action="store_true",
                     help="ours with the ZeRO-1/2 norm deciding overflow vs DeepSpeed's flag collective (see above)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],

@@ -193,7 +193,8 @@ class Report:
                  f"lines: [Machines and files](#{anchor('Machines and files')})), paired per step:", "")
         rows = []
         for feature, off in (("overflow_by_norm", "ours_off"), ("bucket_size", "ours_off"),
-                             ("lazy_grads", "ours_off"), ("cast_on_gather", "ours_off"), ("block_sizes", "ours_off")):
+                             ("lazy_grads", "ours_off"), ("cast_on_gather", "ours_off"), ("block_sizes", "ours_off"),
+                             ("rank_order", "ours_off")):
             data = self.load(f"overhead_{feature}.json")
             if data is None:
                 continue

@@ -28,6 +28,7 @@ stage12_grad_view      1, 2        the flattened copy of the gradient partition 
 stage12_overflow       1, 2        the overflow flag's all-reduce (the norm's all-reduce decides)
 stage3_partition       3           one copy/add per parameter after the reduce-scatter (fused_reduce)
 stage3_scatter         3           the per-slice interleave before the reduce-scatter (fused_reduce)
+stage3_rank_order      3           the bucket's second copy at each flush (its rank-interleaved buffer)
 stage12_reduce         1, 2        the flattened all-reduce and copy-back of each bucket (fused_reduce)
 stage12_bucket_pack    1, 2        one copy per parameter into the bucket (fused_reduce)
 =====================  ==========  ==================================================================
@@ -44,10 +45,10 @@ collective), so it is attached after the fused features and falls back to
 """
 import logging
 
-from .. import ops
+from .. import compat, ops
 from ..switches import FUSED_ZERO, switch_on
 from . import (bucket_size, master_alias, offload_grads, sequence_parallel, stage3_cast_on_gather, stage3_grad_view,
-               stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_scatter,
+               stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_rank_order, stage3_scatter,
                stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce,
                stage12_round_robin)
 
@@ -73,6 +74,10 @@ def install(optimizer, fused_reduce: bool) -> dict:
     for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow, stage3_joined_fetch):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})
+    # the bucket stage3_bucket_size allocates and stage3_scatter flushes, laid out for the flush
+    done[stage3_rank_order.FEATURE] = bool(
+        done.get(bucket_size.FEATURE_Z3) and done.get(stage3_scatter.FEATURE)
+        and stage3_rank_order.install(optimizer, compat.state(optimizer, bucket_size.FEATURE_Z3)))
     return done
 
 

@@ -37,6 +37,7 @@ import torch
 
 from .. import compat
 from ..switches import BUCKET_SIZE, switch_on
+from . import stage3_rank_order
 
 FEATURE_Z12 = "stage12_bucket_size"
 FEATURE_Z3 = "stage3_bucket_size"
@@ -78,8 +79,11 @@ def _add_grad_allocating(self, param):
     bucket = self.ipg_buckets[dtype]
     if bucket.buffer is None:  # once per backward; every other gradient goes straight to DeepSpeed's method
         from deepspeed.accelerator import get_accelerator
-        bucket.buffer = torch.empty(compat.state(self, FEATURE_Z3)["elements"], dtype=dtype,
+        sized = compat.state(self, FEATURE_Z3)  # "buffer": stage3_rank_order's regions, padding included
+        bucket.buffer = torch.empty(sized.get("buffer", sized["elements"]), dtype=dtype,
                                     device=get_accelerator().current_device_name())
+    if compat.installed(self, stage3_rank_order.FEATURE) and stage3_rank_order.place(self, param, bucket):
+        return None
     return compat.original(self, _ADD_GRAD)(param)
 
 

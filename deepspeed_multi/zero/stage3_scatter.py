@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat, ops
-from . import stage3_predivide
+from . import stage3_predivide, stage3_rank_order
 from .runs import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
 
 FEATURE = "stage3_scatter"
@@ -48,6 +48,8 @@ def _plain_path(self, params, grads, communication_data_type) -> bool:
 def avg_scatter_grads(self, params_to_reduce, communication_data_type):
     """Replacement of ``__avg_scatter_grads`` (see the Note); returns this rank's grad partitions."""
     import deepspeed.comm as dist
+    if stage3_rank_order.placed(self, params_to_reduce):
+        return stage3_rank_order.scatter(self, params_to_reduce, communication_data_type)
     grads = [p.grad for p in params_to_reduce]
     if not _plain_path(self, params_to_reduce, grads, communication_data_type):
         return compat.original(self, _METHOD)(params_to_reduce, communication_data_type)

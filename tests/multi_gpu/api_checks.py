@@ -320,7 +320,7 @@ def bucket_buffers_sized(stage, dtype, overlap):
     """DeepSpeed's default reduce_bucket_size (5e8) on a small model: the bucket buffers hold the
     engine's trainable elements, buckets flush where DeepSpeed's do, results are plain PyTorch's."""
     from deepspeed_multi import compat
-    from deepspeed_multi.zero import bucket_size
+    from deepspeed_multi.zero import bucket_size, stage3_rank_order
     gas, big = 2, 5 * 10**8
     model = MLP(seed=1)
     cfg = ds_config(stage, dtype, gas=gas)
@@ -363,6 +363,9 @@ def bucket_buffers_sized(stage, dtype, overlap):
     # fp32 to 1e-5, bf16 by the update's cosine and norm, as the correctness matrix compares
     compare({where: engine}, {where: {n: p.detach() for n, p in ref.named_parameters()}},
             {where: Member(lambda: MLP(seed=1), cfg)}, dtype)
+    if compat.installed(opt, stage3_rank_order.FEATURE):  # the bucket's regions, padding included
+        world, params = dist.get_world_size(), len(list(engine.module.parameters()))
+        elements = world * stage3_rank_order.region_elements(elements, world, params)
     assert allocated and all(n == elements for n in allocated), \
         f"{where}: bucket buffers of {sorted(set(allocated))} elements, want {elements}"
     assert compat.installed(opt, bucket_size.FEATURE_Z3 if stage == 3 else bucket_size.FEATURE_Z12)
@@ -881,3 +884,76 @@ def block_sizes_bitwise(stage, clip):
     _assert_close(a, {n: p.detach() for n, p in ref.named_parameters()}, f"ZeRO-{stage} clip={clip} block sizes")
     for engine in (sized, kept):
         engine.destroy()
+
+
+class _OddBlocks(nn.Module):
+    """Blocks whose parameters (35, 5, 35, 7 elements) leave a padded chunk on the last rank."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(),
+                                                  nn.Linear(5, 8)) for _ in range(3))
+
+    def forward(self, x):
+        x = x.to(self.blocks[0][0].weight.dtype)
+        for block in self.blocks:
+            x = x + block(x)
+        return x.float()
+
+
+def rank_order_bitwise(dtype):
+    """deepspeed_multi/zero/stage3_rank_order.py: [Note: a bucket laid out for the reduce-scatter]. ZeRO-3
+    buckets of 100 elements flush part full; the regions are reduce-scattered as a list (gloo) and,
+    forced, moved together first (the path of other backends). AdamW updates with gradient clipping
+    are plain PyTorch's in fp32 and, on 2 ranks, DeepSpeed's bits (DSM_ZERO3_RANK_ORDER=0) in fp32 and
+    bf16; each bucket buffer is the regions' size and the stand-in gradients are gone after backward."""
+    from deepspeed_multi import compat
+    from deepspeed_multi.zero import stage3_rank_order as rank_order
+    gas, world = 2, dist.get_world_size()
+    cfg = ds_config(3, dtype, gas=gas, gradient_clipping=0.5, zero_optimization={"reduce_bucket_size": 100})
+
+    def build():
+        model = _OddBlocks(seed=1)
+        return deepspeed_multi.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                          config=cfg)[0]
+
+    listed, moved, packed = build(), build(), _switched_off(build, "DSM_ZERO3_RANK_ORDER")
+    where = f"ZeRO-3 {dtype} rank order"
+    assert compat.installed(listed.optimizer, rank_order.FEATURE) and compat.installed(moved.optimizer, rank_order.FEATURE)
+    assert not compat.installed(packed.optimizer, rank_order.FEATURE), where
+    compat.state(moved.optimizer, rank_order.FEATURE)["gloo"] = False  # the contiguous reduce-scatter of NCCL and others
+    params = list(listed.module.parameters())
+    state = compat.state(listed.optimizer, rank_order.FEATURE)
+    trainable = sum(p.ds_numel for p in params)
+    assert state["stride"] == -(-min(100, trainable) // world) + len(params), (where, state["stride"])
+    flushes = []
+    scatter = rank_order.scatter
+
+    def counting(self, *args):
+        flushes.append(compat.state(self, rank_order.FEATURE)["layouts"][torch.float32 if dtype == "fp32" else
+                                                                          torch.bfloat16].fill)
+        return scatter(self, *args)
+
+    rank_order.scatter = counting
+    ref = _OddBlocks(seed=1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    try:
+        for step in range(4):
+            x, y = _batch(step)
+            for engine in (listed, moved, packed):
+                ((engine(x) - y)**2).mean().backward()
+                assert all(p.grad is None for p in engine.module.parameters()), f"{where}: a gradient stand-in kept"
+                engine.step()
+            _reference_micro_step(ref, ref_opt, step, gas, 0.5)
+    finally:
+        rank_order.scatter = scatter
+    stride = state["stride"]
+    assert len(set(flushes)) > 1 and all(0 < f < stride for f in flushes), f"{where}: region fills {flushes} of {stride}"
+    a, b, c = full_params(listed), full_params(moved), full_params(packed)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{where}: list and moved regions differ at {name}"
+        assert world > 2 or torch.equal(a[name], c[name]), \
+            f"{where}: differs from DeepSpeed's bits at {name} by {(a[name] - c[name]).abs().max().item():.3e}"
+    if dtype == "fp32":
+        _assert_close(a, {n: p.detach() for n, p in ref.named_parameters()}, where)

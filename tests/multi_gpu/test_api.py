@@ -62,7 +62,8 @@ def test_skip_group_skips_together(stages):
 
 def test_bucket_buffers_sized_for_the_engine():
     """deepspeed_multi/zero/bucket_size.py: [Note: buckets sized for the engine]; zero/block_sizes.py:
-    [Note: sizes from the model's block]."""
+    [Note: sizes from the model's block]; zero/stage3_rank_order.py: [Note: a bucket laid out for the
+    reduce-scatter]."""
     run_distributed(_buckets)
 
 
@@ -78,6 +79,8 @@ def _buckets():
         checks.bucket_buffers_sized(stage, dtype, overlap)
     for stage, clip in [(1, 0.0), (2, 0.5), (3, 0.0), (3, 0.5)]:
         checks.block_sizes_bitwise(stage, clip)
+    for dtype in ("fp32", "bf16"):
+        checks.rank_order_bitwise(dtype)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

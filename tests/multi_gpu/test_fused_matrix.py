@@ -53,7 +53,12 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
     calls = dict.fromkeys(("pack", "pack_partitions", "unpack_accumulate"), 0)
     originals = {name: getattr(ops, name) for name in calls}
     from deepspeed_multi.zero import stage12_reduce as fused_zero
-    as_run = fused_zero._bucket_as_run
+    from deepspeed_multi.zero import stage3_rank_order as rank_order
+    as_run, laid_out = fused_zero._bucket_as_run, rank_order.scatter
+
+    def counting_laid_out(*args):  # ZeRO-3: the bucket reduce-scattered where its regions lie
+        calls["rank_order"] = calls.get("rank_order", 0) + 1
+        return laid_out(*args)
 
     def counting_in_place(*args):  # ZeRO-1/2: the bucket all-reduced where it lies
         run = as_run(*args)
@@ -73,6 +78,7 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
     for name in originals:
         setattr(ops, name, counting(name))
     fused_zero._bucket_as_run = counting_in_place
+    rank_order.scatter = counting_laid_out
     try:
         scenarios.check_many(names)
     finally:
@@ -81,15 +87,19 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
         for name, op in originals.items():
             setattr(ops, name, op)
         fused_zero._bucket_as_run = as_run
+        rank_order.scatter = laid_out
     if os.environ.get("DSM_FUSED_ZERO", "1") == "0":
         assert not any(calls.values()), f"DSM_FUSED_ZERO=0 but the fused ops ran: {calls}"
         return
     # Which fused passes the scenarios must reach: z1/z2 the bucket pack, z1/z2/z3 a fused pass
     # after the reduction (z1/z2 the in-place all-reduce or the copy-back, z3 the copy-back), z3
-    # the reduce-scatter input.
+    # the reduce-scatter input laid out as gradients arrive (stage3_rank_order), or packed at the
+    # flush where that is switched off.
     stages = {int(z) for n in names for z in re.findall(r"z(\d)", n)}
     calls["after_reduction"] = calls["unpack_accumulate"] + calls.get("in_place", 0)
-    expected = {"pack": bool(stages & {1, 2}), "after_reduction": bool(stages), "pack_partitions": 3 in stages}
+    z3_input = "rank_order" if os.environ.get("DSM_ZERO3_RANK_ORDER", "1") != "0" else "pack_partitions"
+    calls.setdefault("rank_order", 0)
+    expected = {"pack": bool(stages & {1, 2}), "after_reduction": bool(stages), z3_input: 3 in stages}
     for name, needed in expected.items():
         if needed:
             assert calls[name] > 0, f"the fused ZeRO pass {name} never ran: every bucket fell back ({calls})"
