@@ -26,7 +26,7 @@ else
   export BENCH_RESULTS="$PWD/benchmarks/results"
   common=()
   declare -A extra=(
-    [overhead]="--dtypes fp32 bf16 --steps 40" [overhead_watchdog]="--watchdog --steps 30"
+    [overhead]="--dtypes fp32 bf16 --steps 100" [overhead_watchdog]="--watchdog --steps 30"
     [overhead_meet]="--meet --steps 60" [overhead_rank_agreement]="--rank-agreement --dtypes fp32 bf16 --steps 60"
     [memory_breakdown]="--repeat 3 --at-peak" [growth]="--upstream"
     [overhead_overflow_by_norm]="--overflow-by-norm --dtypes fp32 bf16 --steps 60"
