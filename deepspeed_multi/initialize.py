@@ -8,7 +8,7 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from . import compat
+from . import compat, host_memory
 from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
@@ -93,6 +93,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         built = deepspeed.initialize(**kwargs)
     torch_autocast.keep_own_comm_dtype(built[0], config)  # [Note: torch_autocast is per engine]
     _refuse_sequence_parallel_zero0(built[0])
+    host_memory.release_free_heap()  # [Note: construction's free heap]
     return built
 
 
