@@ -147,7 +147,7 @@ class Report:
         self.start("Single-engine overhead against upstream",
                    "one engine, one model (`overhead.py`): `deepspeed_multi.initialize` + `loss.backward()`",
                    "upstream `deepspeed.initialize` + `engine.backward(loss)`, same ranks, steps interleaved",
-                   "python benchmarks/overhead.py --dtypes fp32 bf16 --steps 40")
+                   "python benchmarks/overhead.py --dtypes fp32 bf16 --steps 100")
         for rel, card in (("overhead.json", "CPU"), ("gpu/overhead.json", "GPU")):
             data = self.result(rel)
             if data is None:
