@@ -57,8 +57,11 @@ def test_two_nodes_exact_node_local_disks_lost_node_and_fewer_nodes():
         killed_at = time.monotonic()
         old = first.rank_pids()
         first.kill_node(1)
-        first.start_node(1)  # the replacement node, with node 1's disk
         exits = _exit_times(first, (0, 1), killed_at, 60, old)
+        # The replacement node (with node 1's disk) joins once node 0's ranks have exited by themselves: an agent
+        # that sees a node waiting at the rendezvous restarts its healthy ranks at once, as a membership change
+        # that torchrun does not count as a restart, so they would neither name the lost ranks nor resume.
+        first.start_node(1)
         codes = first.wait(240)
         logs = {r: first.rank_log(r) for r in (0, 1)}
         checks = [line for line in logs[0].splitlines() if line.startswith("CHECKS ")]
