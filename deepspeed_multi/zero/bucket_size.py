@@ -77,12 +77,12 @@ def _add_grad_allocating(self, param):
     of a backward (see [Note: ZeRO-3's bucket exists during a backward only])."""
     dtype = self.get_param_comm_dtype(param)
     bucket = self.ipg_buckets[dtype]
-    if bucket.buffer is None:  # once per backward; every other gradient goes straight to DeepSpeed's method
+    sized = compat.state(self, FEATURE_Z3)  # "buffer" and "rank_order": set where stage3_rank_order applies
+    if bucket.buffer is None:  # once per backward
         from deepspeed.accelerator import get_accelerator
-        sized = compat.state(self, FEATURE_Z3)  # "buffer": stage3_rank_order's regions, padding included
         bucket.buffer = torch.empty(sized.get("buffer", sized["elements"]), dtype=dtype,
                                     device=get_accelerator().current_device_name())
-    if compat.installed(self, stage3_rank_order.FEATURE) and stage3_rank_order.place(self, param, bucket):
+    if sized.get("rank_order") and stage3_rank_order.place(self, param, bucket):
         return None
     return compat.original(self, _ADD_GRAD)(param)
 

@@ -56,6 +56,13 @@ def one_run(tensors: Sequence[Tensor]) -> Optional[Tensor]:
     return flat_run(filled)
 
 
+def scales_exactly(world: int) -> bool:
+    """Whether ``x * (1 / world)`` rounds as ``x / world``: ``1 / world`` is a power of two. The
+    ZeRO-3 flushes multiply where it does and divide elsewhere, so each element is rounded as
+    DeepSpeed's division rounds it."""
+    return world & (world - 1) == 0
+
+
 def run_view(tensors: Sequence[Tensor], numel: int) -> Optional[Tensor]:
     """:func:`one_run`, if it holds ``numel`` elements in all, else ``None``."""
     view = one_run(tensors)

@@ -43,6 +43,7 @@ import torch
 
 from .. import compat
 from ..switches import ZERO3_RANK_ORDER, switch_on
+from . import runs
 
 FEATURE = "stage3_rank_order"
 _MAX_PIECES = 8  # a region moved in more pieces than this is sent with its unused tail instead
@@ -116,7 +117,7 @@ def place(self, param, bucket) -> bool:
 
 def _average(src, world, out):
     """``out = src / world``, rounded as stage3_scatter's pack rounds it."""
-    if world & (world - 1) == 0:
+    if runs.scales_exactly(world):
         torch.mul(src, 1.0 / world, out=out)
     else:
         torch.div(src, world, out=out)
@@ -179,6 +180,10 @@ def scatter(self, params, communication_data_type):
     return outputs
 
 
+def _params(optimizer) -> list:
+    return [p for group in optimizer.fp16_groups for p in group]
+
+
 def applies(optimizer) -> bool:
     """DeepSpeed's flush of ``optimizer`` is the plain reduce-scatter stage3_scatter replaces (see the Note)."""
     if not switch_on(ZERO3_RANK_ORDER):
@@ -186,7 +191,7 @@ def applies(optimizer) -> bool:
     if (not getattr(optimizer, "reduce_scatter", False) or getattr(optimizer, "zenflow", False)
             or getattr(optimizer, "all2all_process_group", None) is not None):
         return False
-    params = [p for group in optimizer.fp16_groups for p in group]
+    params = _params(optimizer)
     if not params or any(optimizer.get_param_comm_dtype(p) != optimizer.dtype for p in params):
         return False
     groups = {id(optimizer._get_param_partition_group(p)) for p in params}
@@ -201,11 +206,12 @@ def install(optimizer, sized: dict) -> bool:
         return False
     import deepspeed.comm as dist
     import torch.distributed as torch_dist
-    params = [p for group in optimizer.fp16_groups for p in group]
+    params = _params(optimizer)
     group = optimizer._get_param_partition_group(params[0])
     world = dist.get_world_size(group=group)
     stride = region_elements(sized["elements"], world, len(params))
     sized["buffer"] = world * stride  # what the bucket allocates at the first gradient of a backward
+    sized["rank_order"] = True  # its add places each gradient here (read once per gradient)
     compat.state(optimizer, FEATURE, {"world": world, "stride": stride, "layouts": {}, "stand_in": {},
                                       "gloo": torch_dist.get_backend(group) == "gloo"})
     return True

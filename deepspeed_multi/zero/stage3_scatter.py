@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat, ops
-from . import stage3_predivide, stage3_rank_order
+from . import runs, stage3_predivide, stage3_rank_order
 from .runs import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
 
 FEATURE = "stage3_scatter"
@@ -62,7 +62,7 @@ def avg_scatter_grads(self, params_to_reduce, communication_data_type):
     parts = [max(0, min(g.numel() - rank * c, c)) for g, c in zip(grads, chunks)]
     padded = any(c * world != g.numel() for g, c in zip(grads, chunks))
     flat = (torch.zeros if padded else torch.empty)(world * block, dtype=grads[0].dtype, device=grads[0].device)
-    exact = world & (world - 1) == 0  # 1/world is a power of two: x * (1/world) rounds as x / world
+    exact = runs.scales_exactly(world)
     ops.pack_partitions(grads, flat, world, 1.0 / world if exact else 1.0)
     if not exact:
         flat.div_(world)
