@@ -443,10 +443,14 @@ def class_exact(feature: str, warn: bool = True) -> bool:
     return _sources_checked(_class(owner), tuple(names), feature, warn)
 
 
-def fast_path_exact(obj, feature: str, warn: bool = True) -> bool:
-    """:func:`exact` for the methods :data:`FAST_PATH_METHODS` lists under ``feature``. ``warn=False``
-    for a fast path that relies on another feature's methods (that feature warns when they changed)."""
+def fast_path_exact(obj, feature: str, warn: bool = True, only: Optional[Iterable[str]] = None) -> bool:
+    """:func:`exact` for the methods :data:`FAST_PATH_METHODS` lists under ``feature`` (``only``: those of
+    them). ``warn=False`` for a fast path that relies on another feature's methods (that feature warns
+    when they changed)."""
     owner, names = FAST_PATH_METHODS[feature]
+    if only is not None:
+        assert set(only) <= set(names), (feature, only)
+        names = tuple(only)
     return exact(obj, _class(owner), names, feature, warn)
 
 

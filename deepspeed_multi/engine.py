@@ -24,7 +24,7 @@ from .reliability.rank_agreement import RankAgreement
 from .reliability.skip_group import SkipGroup
 from .state import TrainingState
 from .switches import CHECK_RANK_AGREEMENT, switch_on
-from .zero import buffers, stage3_counters, stage3_prefetch, stage12_bucket_pack
+from .zero import buffers, stage3_counters, stage3_prefetch, stage3_release_between, stage12_bucket_pack
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ class MultiEngine(DeepSpeedEngine):
         # unless the user configured managed_gradient_accumulation=false.
         self._user_managed_boundary = user_managed_boundary
         self._caller_scales_loss = False  # the caller divides the loss itself (integrations/engine_steps.py)
-        self._window_micro_steps = 0
-        self._window_backwards = 0
+        self._window_micro_steps = self._window_backwards = 0
         # One tiny all-reduce per update at ZeRO 0/1, off the critical path (rank_agreement.py); 0 turns it off.
         self.check_rank_agreement = switch_on(CHECK_RANK_AGREEMENT)
         self._rank_agreement = RankAgreement(self)
@@ -101,6 +100,7 @@ class MultiEngine(DeepSpeedEngine):
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
         stage3 = self.zero_optimization_stage() == 3
         before = stage3_counters.snapshot(self.module) if stage3 and torch.is_grad_enabled() else None
+        stage3_release_between.forward_starts(self)  # [Note: an engine's parameters while other engines run]
         self._region.enter_forward()
         try:
             outputs = super().forward(*inputs, **kwargs)

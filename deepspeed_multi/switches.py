@@ -17,6 +17,7 @@ ZERO3_LAZY_GRADS = "DSM_ZERO3_LAZY_GRADS"  # ZeRO-3 gradient partitions per sub-
 ZERO3_RANK_ORDER = "DSM_ZERO3_RANK_ORDER"  # ZeRO-3 bucket laid out in the reduce-scatter's rank order, no second buffer
 ZERO3_CAST_ON_GATHER = "DSM_ZERO3_CAST_ON_GATHER"  # bf16/fp16 ZeRO-3: no 16-bit partition copy, cast at each gather
 ZERO3_JOINED_FETCH = "DSM_ZERO3_JOINED_FETCH"  # ZeRO-3: several engines' first forward fetches as one all-gather
+ZERO3_RELEASE_BETWEEN = "DSM_ZERO3_RELEASE_BETWEEN"  # ZeRO-3: what an engine keeps gathered, released when another runs
 TRIM_AFTER_BUILD = "DSM_TRIM_AFTER_BUILD"  # the host heap a construction freed handed back to the system
 BLOCK_SIZES = "DSM_BLOCK_SIZES"  # bucket and prefetch sizes a config leaves unset: the model's block, not 5e8
 # Reliability.
@@ -33,7 +34,8 @@ BUILD_DIR = "DSM_BUILD_DIR"
 BUILD_WAIT_REPORT_SECONDS = "DSM_BUILD_WAIT_REPORT_SECONDS"  # a rank waiting on another's build says so after this
 
 ALL = (FUSED_ZERO, ZERO12_GRAD_VIEW, ZERO3_GRAD_VIEW, ZERO12_OVERFLOW_BY_NORM, BUCKET_SIZE, MASTER_ALIAS,
-       ZERO3_LAZY_GRADS, ZERO3_RANK_ORDER, ZERO3_CAST_ON_GATHER, ZERO3_JOINED_FETCH, BLOCK_SIZES, TRIM_AFTER_BUILD,
+       ZERO3_LAZY_GRADS, ZERO3_RANK_ORDER, ZERO3_CAST_ON_GATHER, ZERO3_JOINED_FETCH, ZERO3_RELEASE_BETWEEN,
+       BLOCK_SIZES, TRIM_AFTER_BUILD,
        CHECK_RANK_AGREEMENT, ALLOW_UNSUPPORTED_DEEPSPEED, ALLOW_UNTESTED_TRAINERS, ALLOW_UNTESTED_LIGHTNING,
        FUSED_REDUCE_BACKEND, BUILD_DIR, BUILD_WAIT_REPORT_SECONDS)
 

@@ -24,6 +24,7 @@ stage3_grad_view       3           the flattened copy of the fp32 gradient befor
 stage3_lazy_grads      3           the gradient partition buffer held from construction to the end
 stage3_cast_on_gather  3           the bf16/fp16 parameter partition beside the fp32 master (cast at each gather)
 stage3_joined_fetch    3           each engine's own first all-gather of a forward (one for several engines)
+stage3_release_between 3           gathered parameters kept through other engines' forwards and backwards
 stage12_grad_view      1, 2        the flattened copy of the gradient partition before the update
 stage12_overflow       1, 2        the overflow flag's all-reduce (the norm's all-reduce decides)
 stage3_partition       3           one copy/add per parameter after the reduce-scatter (fused_reduce)
@@ -48,7 +49,8 @@ import logging
 from .. import compat, ops
 from ..switches import FUSED_ZERO, switch_on
 from . import (bucket_size, master_alias, offload_grads, sequence_parallel, stage3_cast_on_gather, stage3_grad_view,
-               stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_rank_order, stage3_scatter,
+               stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_rank_order,
+               stage3_release_between, stage3_scatter,
                stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce,
                stage12_round_robin)
 
@@ -71,7 +73,8 @@ def install(optimizer, fused_reduce: bool) -> dict:
     done.update(master_alias.install(optimizer))
     # after stage3_lazy_grads, whose offload_states then restores its buffer before this one's
     done[stage3_cast_on_gather.FEATURE] = stage3_cast_on_gather.install(optimizer)
-    for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow, stage3_joined_fetch):
+    for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow, stage3_joined_fetch,
+                   stage3_release_between):
         done[module.FEATURE] = module.install(optimizer)
     done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})
     # the bucket stage3_bucket_size allocates and stage3_scatter flushes, laid out for the flush
@@ -85,6 +88,7 @@ def hand_back(optimizer) -> None:
     """``engine.destroy()``: undo what the fast paths changed outside ``optimizer`` (on the module's
     parameters), so that a new engine over the module starts from DeepSpeed's state."""
     stage3_joined_fetch.forget(optimizer)
+    stage3_release_between.forget(optimizer)
     stage3_cast_on_gather.hand_back(optimizer)
 
 

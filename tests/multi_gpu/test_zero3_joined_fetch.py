@@ -1,4 +1,5 @@
-"""Several ZeRO-3 engines' first forward fetches as one all-gather (zero/stage3_joined_fetch.py).
+"""Several ZeRO-3 engines' first forward fetches as one all-gather (zero/stage3_joined_fetch.py), and
+what an engine keeps gathered after its forward released while the others run (stage3_release_between.py).
 
 Each program trains its engines twice on the same batches in the same ranks: with the joined
 fetch and with each engine fetching its own (``DSM_ZERO3_JOINED_FETCH=0`` at construction).
@@ -10,6 +11,11 @@ inference-only engine, gradient accumulation, prefetch buckets too small to join
 engine not called in a round (its share released, then called again), parameters read with
 ``GatheredParameters`` between two engines' forwards of a round, and an engine destroyed while
 the others go on.
+
+The same programs with a reuse distance shorter than each engine (so that another engine's forward
+releases what an engine keeps for its backward) train once with the release and once without
+(``DSM_ZERO3_RELEASE_BETWEEN=0``): bit-equal parameters after every step, releases counted with
+it and none without.
 """
 import copy
 import os
@@ -22,7 +28,7 @@ import deepspeed
 import deepspeed.comm as dist
 import deepspeed_multi
 from deepspeed_multi import compat
-from deepspeed_multi.zero import stage3_joined_fetch
+from deepspeed_multi.zero import stage3_joined_fetch, stage3_release_between
 from common import MLP, ds_config, full_params
 from harness import run_distributed
 
@@ -40,14 +46,18 @@ PROGRAMS = {
     "buckets-too-small": ([(3, "fp32", True, SMALL), (3, "fp32", True, SMALL)], "chained", 1, 4, False),
 }
 SKIPPED_AT, READ_AT, DESTROYED_AT = 2, 3, 4  # steps of the twists (chained programs)
+# Programs rerun with the release on and off: a reuse distance below every engine's size (552 elements)
+RELEASED = ("chained-fp32", "parallel-fp32-bf16-gas2", "frozen-teacher")
+SHORT_REUSE = {"stage3_max_reuse_distance": 100}
 
 
-def _engines(specs, gas, joined):
+def _engines(specs, gas, joined, released=True):
     engines = []
     for k, (stage, dtype, trains, zero) in enumerate(specs):
         model = MLP(d_in=8, d_hidden=32, d_out=8, seed=k)
         cfg = ds_config(stage, dtype, gas=gas, zero_optimization=zero)
-        with mock.patch.dict(os.environ, {"DSM_ZERO3_JOINED_FETCH": "1" if joined else "0"}):
+        switches = {"DSM_ZERO3_JOINED_FETCH": "1" if joined else "0", "DSM_ZERO3_RELEASE_BETWEEN": "1" if released else "0"}
+        with mock.patch.dict(os.environ, switches):
             if trains:
                 opt = torch.optim.AdamW(model.parameters(), lr=0.02)
                 engines.append(deepspeed_multi.initialize(model=model, optimizer=opt, config=cfg)[0])
@@ -65,10 +75,10 @@ def _batch(step):
     return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
 
 
-def _run(specs, wiring, gas, steps, joined):
+def _run(specs, wiring, gas, steps, joined, released=True):
     """Train; return before each step and at the end the parameters of every live engine, and what
     GatheredParameters read between two forwards of a round."""
-    engines = _engines(specs, gas, joined)
+    engines = _engines(specs, gas, joined, released)
     live = list(range(len(engines)))
     target = [k for k in live if specs[k][0] == 3][1]  # the twists' engine: a ZeRO-3 engine that is not first
     seen = []
@@ -110,12 +120,28 @@ def _check(name):
     assert (joins > 0) == expect_joins, f"{name}: {joins} joined fetches"
     if expect_joins and wiring == "chained":  # the skipped engine's share was gathered, then released
         assert released > 0, f"{name}: nothing gathered for the skipped engine was released"
+    _same(name, ours, theirs, "its own fetches'")
+
+
+def _check_release(name):
+    specs, wiring, gas, steps, _ = PROGRAMS[name]
+    specs = [(stage, dtype, trains, {**zero, **SHORT_REUSE}) for stage, dtype, trains, zero in specs]
+    counts = []
+    for released in (True, False):
+        before = stage3_release_between.STATS["released"]
+        counts.append(_run(specs, wiring, gas, steps, joined=True, released=released))
+        counts.append(stage3_release_between.STATS["released"] - before)
+    ours, on, theirs, off = counts
+    assert on > 0 and off == 0, f"{name}: {on} parameters released with the release on, {off} with it off"
+    _same(name + " (short reuse)", ours, theirs, "the run keeping them gathered")
+
+
+def _same(name, ours, theirs, what):
     for step, ((a, read_a), (b, read_b)) in enumerate(zip(ours, theirs)):
         assert a.keys() == b.keys()
         for k in a:
             for n in a[k]:
-                assert torch.equal(a[k][n], b[k][n]), \
-                    f"{name}: step {step}, engine {k}'s {n} differs from its own fetches'"
+                assert torch.equal(a[k][n], b[k][n]), f"{name}: step {step}, engine {k}'s {n} differs from {what}"
         assert (read_a is None) == (read_b is None)
         for u, v in zip(read_a or (), read_b or ()):
             assert torch.equal(u, v), f"{name}: step {step}: GatheredParameters between two forwards read other values"
@@ -124,7 +150,9 @@ def _check(name):
 def _all():
     for name in PROGRAMS:
         _check(name)
+    for name in RELEASED:
+        _check_release(name)
 
 
-def test_joined_fetch_gives_each_engines_own_bits():
+def test_joined_fetch_and_release_give_each_engines_own_bits():
     run_distributed(_all)
