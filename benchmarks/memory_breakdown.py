@@ -2,8 +2,8 @@
 
 The workload is peers.py's (encoder ZeRO-2 -> LLM ZeRO-3 for ours, with the sizes left unset as users
 leave them, so each engine works per block of at least min_block_elements ([Note: sizes from the
-model's block]); the same with no floor (peers.PER_BLOCK); the same with DeepSpeed's default sizes written out (peers.DEEPSPEED_SIZES: what those defaults cost); and, when
-named in ``--variants``, the encoder at ZeRO-3 too (peers.BOTH_ZERO3: the sharding FSDP2 applies); one upstream ZeRO-3
+model's block]); the same with no floor (peers.PER_BLOCK); the same with DeepSpeed's default sizes written out
+(peers.DEEPSPEED_SIZES: what those defaults cost); the encoder at ZeRO-3 too (peers.BOTH_ZERO3: the sharding FSDP2 applies); one upstream ZeRO-3
 engine for the super-module; ``fully_shard`` per block for FSDP2; AdamW, both models trained), in fp32 and in
 bf16 (DeepSpeed's ``bf16`` section; FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then:
@@ -403,8 +403,8 @@ def main():
     ap.add_argument("--sizes", nargs="+", default=list(peers.SIZES), choices=list(peers.SIZES))
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     variants = peers.VARIANTS[:1] + [peers.PER_BLOCK, peers.DEEPSPEED_SIZES, peers.BOTH_ZERO3] + peers.VARIANTS[1:]
-    ap.add_argument("--variants", nargs="+", default=[v for v in variants if v != peers.BOTH_ZERO3], choices=variants,
-                    help="FSDP2 is always run (the baseline); the encoder at ZeRO-3 too only when named")
+    ap.add_argument("--variants", nargs="+", default=variants, choices=variants,
+                    help="FSDP2 is always run (the baseline)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every variant this many times (fresh processes each) and report the median peak; "
                          "peak live moves by a few MiB between runs (when the ranks' collectives free buffers)")
