@@ -12,7 +12,7 @@ between the two uses and releases them: several engines would hold more than one
 
 So when an engine's forward starts, every other ZeRO-3 engine that ran a forward since it was last
 released here, whose gathered parameters are not in use (not inside its forward or its backward;
-never inside any backward), and whose ``stage3_max_reuse_distance`` is smaller than the starting
+never inside any backward; not held by a ``GatheredParameters`` context), and whose ``stage3_max_reuse_distance`` is smaller than the starting
 engine's parameter count (the super-module would count at least those fetches in between) has
 its in-flight prefetches waited for and every gathered parameter that is not persistent
 (``stage3_param_persistence_threshold``) released, as its own coordinator releases them. Its
@@ -53,10 +53,15 @@ def install(optimizer) -> bool:
     # the release, and the fetch that gathers a released parameter again: checked for stage3_joined_fetch
     if not compat.fast_path_exact(coordinator, stage3_joined_fetch.FEATURE, warn=False, only=_RELIED_ON):
         return False
+    from deepspeed.runtime.zero import partition_parameters
+    held_by_user = getattr(partition_parameters, "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", None)
+    if held_by_user is None:  # a GatheredParameters context could not be told apart from a kept parameter
+        return False
     params = [p for p in optimizer.module.parameters() if hasattr(p, "ds_status")]  # (ZeRO-3 and its offload: .module)
     if not params or any(getattr(p.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme for p in params):
         return False
-    compat.state(optimizer, FEATURE, {"coordinator": coordinator, "params": params, "held": False})
+    compat.state(optimizer, FEATURE, {"coordinator": coordinator, "params": params, "held": False,
+                                      "held_by_user": held_by_user})
     return True
 
 
@@ -92,11 +97,11 @@ def release(engine, state) -> int:
     """Release ``engine``'s gathered parameters that no module of it is using; return how many."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     stage3_prefetch.drain(engine)  # waits for and releases what is in flight
-    release_param = getattr(state["coordinator"], _RELEASE)
+    release_param, held_by_user = getattr(state["coordinator"], _RELEASE), state["held_by_user"]
     released = 0
     for p in state["params"]:
         if (p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist and not p.ds_active_sub_modules
-                and not getattr(p, "is_external_param", False)):
+                and not getattr(p, "is_external_param", False) and not getattr(p, held_by_user, 0)):
             release_param(p)
             released += p.ds_status == ZeroParamStatus.NOT_AVAILABLE
     STATS["released"] += released

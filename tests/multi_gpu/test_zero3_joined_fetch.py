@@ -15,7 +15,8 @@ the others go on.
 The same programs with a reuse distance shorter than each engine (so that another engine's forward
 releases what an engine keeps for its backward) train once with the release and once without
 (``DSM_ZERO3_RELEASE_BETWEEN=0``): bit-equal parameters after every step, releases counted with
-it and none without.
+it and none without; and a forward inside a ``GatheredParameters`` context over another engine's
+parameters leaves that context's parameters gathered.
 """
 import copy
 import os
@@ -136,6 +137,30 @@ def _check_release(name):
     _same(name + " (short reuse)", ours, theirs, "the run keeping them gathered")
 
 
+def _gathered_context_is_left_alone():
+    """Another engine's forward inside a GatheredParameters context over an engine's parameters leaves
+    them gathered for the context (the release skips what a user holds)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    a, b = _engines([(3, "fp32", True, SHORT_REUSE), (3, "fp32", True, SHORT_REUSE)], gas=1, joined=True)
+    for step in range(4):
+        x, y = _batch(step)
+        before = stage3_release_between.STATS["released"]
+        hidden = a(x)
+        if step < 2:  # b's forward releases what a keeps for its backward (once a's trace is recorded)
+            out = b(hidden)
+            assert step == 0 or stage3_release_between.STATS["released"] > before, f"step {step}: nothing released"
+        else:
+            with deepspeed.zero.GatheredParameters(list(a.module.parameters())):
+                out = b(hidden)
+                held = [p.ds_status == ZeroParamStatus.AVAILABLE for p in a.module.parameters()]
+                assert all(held), f"step {step}: {held.count(False)} parameters released inside GatheredParameters"
+        ((out - y)**2).mean().backward()
+        a.step()
+        b.step()
+    a.destroy()
+    b.destroy()
+
+
 def _same(name, ours, theirs, what):
     for step, ((a, read_a), (b, read_b)) in enumerate(zip(ours, theirs)):
         assert a.keys() == b.keys()
@@ -152,6 +177,7 @@ def _all():
         _check(name)
     for name in RELEASED:
         _check_release(name)
+    _gathered_context_is_left_alone()
 
 
 def test_joined_fetch_and_release_give_each_engines_own_bits():
