@@ -137,7 +137,6 @@ _ROUNDS = _Rounds()
 def _share(coordinator) -> Optional[List[torch.nn.Parameter]]:
     """What ``coordinator``'s first fetch and prefetch of a forward would gather (see the Note)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     bucket = getattr(coordinator, _MANGLED + "prefetch_bucket_sz")
     if not coordinator.is_complete_trace() or bucket <= 0 or coordinator.zero_quantized_weights:
         return None
@@ -146,8 +145,7 @@ def _share(coordinator) -> Optional[List[torch.nn.Parameter]]:
         p = entry.param
         if id(p) in seen or p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             continue
-        if p.ds_secondary_tensor is not None or hasattr(p.ds_tensor, "ds_quant_scale") or \
-                getattr(p.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme:
+        if p.ds_secondary_tensor is not None or hasattr(p.ds_tensor, "ds_quant_scale") or swapped_to_nvme(p):
             return None  # gathered another way: this engine fetches its own
         seen.add(id(p))
         share.append(p)
@@ -155,6 +153,12 @@ def _share(coordinator) -> Optional[List[torch.nn.Parameter]]:
         if numel >= bucket:
             break
     return share
+
+
+def swapped_to_nvme(param) -> bool:
+    """Whether ZeRO-3 swaps ``param``'s partition out to NVMe (gathered through its swapper)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    return getattr(param.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme
 
 
 def _hand_over(coordinator, share) -> None:

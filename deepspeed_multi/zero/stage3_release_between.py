@@ -12,8 +12,9 @@ between the two uses and releases them: several engines would hold more than one
 
 So when an engine's forward starts, every other ZeRO-3 engine that ran a forward since it was last
 released here, whose gathered parameters are not in use (not inside its forward or its backward;
-never inside any backward; not held by a ``GatheredParameters`` context), and whose ``stage3_max_reuse_distance`` is smaller than the starting
-engine's parameter count (the super-module would count at least those fetches in between) has
+never inside any backward; not held by a ``GatheredParameters`` context), and whose
+``stage3_max_reuse_distance`` is smaller than the starting engine's parameter count (the
+super-module would count at least those fetches in between) has
 its in-flight prefetches waited for and every gathered parameter that is not persistent
 (``stage3_param_persistence_threshold``) released, as its own coordinator releases them. Its
 backward gathers them again where it needs them, as the super-module's does: one all-gather more
@@ -46,7 +47,6 @@ _ELEMENTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -
 
 def install(optimizer) -> bool:
     """Let ``optimizer``'s gathered parameters be released while other engines run; return whether it does."""
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     coordinator = stage3_joined_fetch.coordinator_of(optimizer)
     if coordinator is None or not switch_on(ZERO3_RELEASE_BETWEEN) or not hasattr(coordinator, _REUSE):
         return False
@@ -58,7 +58,7 @@ def install(optimizer) -> bool:
     if held_by_user is None:  # a GatheredParameters context could not be told apart from a kept parameter
         return False
     params = [p for p in optimizer.module.parameters() if hasattr(p, "ds_status")]  # (ZeRO-3 and its offload: .module)
-    if not params or any(getattr(p.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme for p in params):
+    if not params or any(stage3_joined_fetch.swapped_to_nvme(p) for p in params):
         return False
     compat.state(optimizer, FEATURE, {"coordinator": coordinator, "params": params, "held": False,
                                       "held_by_user": held_by_user})

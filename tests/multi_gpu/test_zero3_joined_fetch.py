@@ -127,12 +127,13 @@ def _check(name):
 def _check_release(name):
     specs, wiring, gas, steps, _ = PROGRAMS[name]
     specs = [(stage, dtype, trains, {**zero, **SHORT_REUSE}) for stage, dtype, trains, zero in specs]
-    counts = []
-    for released in (True, False):
+
+    def run(released):  # (what _run returns, parameters released in it)
         before = stage3_release_between.STATS["released"]
-        counts.append(_run(specs, wiring, gas, steps, joined=True, released=released))
-        counts.append(stage3_release_between.STATS["released"] - before)
-    ours, on, theirs, off = counts
+        seen = _run(specs, wiring, gas, steps, joined=True, released=released)
+        return seen, stage3_release_between.STATS["released"] - before
+
+    (ours, on), (theirs, off) = run(True), run(False)
     assert on > 0 and off == 0, f"{name}: {on} parameters released with the release on, {off} with it off"
     _same(name + " (short reuse)", ours, theirs, "the run keeping them gathered")
 
