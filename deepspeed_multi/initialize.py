@@ -90,6 +90,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
     with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class), torch_autocast.scoped(config):
+        host_memory.import_muon_kernels()  # [Note: Muon's kernels compiled at their first call]
         built = deepspeed.initialize(**kwargs)
     torch_autocast.keep_own_comm_dtype(built[0], config)  # [Note: torch_autocast is per engine]
     _refuse_sequence_parallel_zero0(built[0])

@@ -55,8 +55,12 @@ def autocast_fp16_overflow_skips_on_every_rank(stage):
 
 
 def _muon_exact(stages, gas):
-    from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
-    exact = ns_compute_dtype("gram") == torch.float32
+    from deepspeed.runtime.zero.muon import original_muon
+    from deepspeed_multi.switches import MUON_COMPILE_AT_FIRST_CALL, switch_on
+    # The engines built before these imported DeepSpeed's Muon kernels compiled at their first call
+    # ([Note: Muon's kernels compiled at their first call]): these engines train through them.
+    assert getattr(original_muon.muon_update, "compiled_at_first_call", False) == switch_on(MUON_COMPILE_AT_FIRST_CALL)
+    exact = original_muon.ns_compute_dtype("gram") == torch.float32
     for name, got in muon_diamond(stages, gas=gas).items():
         what = f"Muon, engines at ZeRO {stages}, gas {gas}, engine {name}"
         if exact:
