@@ -19,13 +19,17 @@ block, and, for an optimizer that updates element by element (SGD, Adam, AdamW),
 sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
 time during the backward instead of all at once at its first gradient.
 
-A block smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304
-elements by default: 16 MiB in fp32) counts as that many elements. Each bucket, prefetch and
-sub-group is one more collective with a fixed cost (milliseconds on gloo, tens of microseconds on
-NCCL) that a small block does not amortize, and a small model's whole gradient is a few MiB: per
-block, small models step slower for no memory worth having (``overhead.py --block-sizes``,
-benchmarks/PERFORMANCE.md). A value the config sets is always kept (Transformers' and Accelerate's
-fill of ``"auto"`` from ``hidden_size`` arrives as a value and is kept too).
+No size is below ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304 elements
+by default: 16 MiB in fp32): a block smaller than that counts as that many elements. Each bucket,
+prefetch and sub-group is one more collective with a fixed cost (milliseconds on gloo, tens of
+microseconds on NCCL) that a small block does not amortize, and a small model's whole gradient is a
+few MiB: per block, small models step slower for no memory worth having (``overhead.py
+--block-sizes``, benchmarks/PERFORMANCE.md). The live parameters are not a collective: they are two
+of the model's own blocks, never fewer than the floor, so that they hold the prefetch bucket and the
+reuse distance (one floored block each) and a model under the floor stays gathered whole as before,
+while a block just under the floor does not keep a third block gathered. A value the config sets is
+always kept (Transformers' and Accelerate's fill of ``"auto"`` from ``hidden_size`` arrives as a value
+and is kept too).
 
 The sizes decide when a bucket is flushed and when a parameter is gathered or released, never
 which elements are summed: every gradient element is the same sum over the ranks in whichever
@@ -114,10 +118,10 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
     stage = int((zero or {}).get("stage", 0))
     if stage == 0 or not isinstance(model, torch.nn.Module) or not switch_on(BLOCK_SIZES):
         return {}
-    block = block_elements(model)
-    if block <= 0:
+    own = block_elements(model)
+    if own <= 0:
         return {}
-    block = max(block, int(min_block))
+    block = max(own, int(min_block))
     filled = {}
     for field, blocks in (_ZERO3 if stage == 3 else _ZERO12).items():
         found = _field(field)
@@ -127,7 +131,7 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
         if _unset(zero, names):
             for name in names:
                 zero.pop(name, None)
-            zero[key] = filled[key] = min(default, blocks * block)
+            zero[key] = filled[key] = min(default, max(blocks * own, block))
     found = _field("sub_group_size") if stage == 3 else None
     if found is not None and _unset(zero, found[1]) and _elementwise(config, optimizer):
         key, _, default = found

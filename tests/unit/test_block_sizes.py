@@ -92,7 +92,17 @@ def test_a_block_below_the_floor_counts_as_the_floor():
     config = {"zero_optimization": {"stage": 3}}
     filled = block_sizes.fill(config, Tower(), None, min_block=1 << 22)
     assert filled == {"reduce_bucket_size": 1 << 22, "stage3_prefetch_bucket_size": 1 << 22,
-                      "stage3_max_live_parameters": 1 << 23, "stage3_max_reuse_distance": 1 << 22}
+                      "stage3_max_live_parameters": 1 << 22, "stage3_max_reuse_distance": 1 << 22}
+
+
+@pytest.mark.parametrize("floor", [BLOCK // 3, BLOCK, BLOCK + 1, 3 * BLOCK // 2, 2 * BLOCK, 5 * BLOCK])
+def test_live_parameters_are_two_own_blocks_never_below_the_floor(floor):
+    """The live parameters hold the prefetch bucket and the reuse distance (one floored block each) and
+    two of the model's own blocks: a block just under the floor does not keep a third block gathered."""
+    filled = block_sizes.fill({"zero_optimization": {"stage": 3}}, Tower(), None, min_block=floor)
+    one = max(BLOCK, floor)
+    assert filled["stage3_prefetch_bucket_size"] == filled["stage3_max_reuse_distance"] == one
+    assert filled["stage3_max_live_parameters"] == max(2 * BLOCK, one) >= one
 
 
 def test_the_floor_option_is_checked():
