@@ -14,8 +14,8 @@ glibc (another C library, another OS): nothing is done. ``DSM_TRIM_AFTER_BUILD=0
 runs).
 
 [Note: Muon's kernels compiled at their first call]
-Every optimizer DeepSpeed wraps imports its Muon module to ask whether the optimizer is Muon
-(``is_zero_supported_optimizer``, the ZeRO-3 and bf16 optimizers' constructors, ZeRO-1/2's
+Building a ZeRO or bf16 optimizer imports DeepSpeed's Muon module to ask whether the optimizer is
+Muon (``is_zero_supported_optimizer``, the ZeRO-3 and bf16 optimizers' constructors, ZeRO-1/2's
 ``average_tensor``). That module decorates its kernels with ``torch.compile`` (through
 ``deepspeed.runtime.compiler.compile``) when it is imported, and the first ``torch.compile`` call of a
 process imports Inductor and what it needs (sympy's solvers, networkx): about 43 MiB resident on every
