@@ -26,8 +26,8 @@ microseconds on NCCL) that a small block does not amortize, and a small model's 
 few MiB: per block, small models step slower for no memory worth having (``overhead.py
 --block-sizes``, benchmarks/PERFORMANCE.md). The live parameters are not a collective: they are two
 of the model's own blocks, never fewer than the floor, so that they hold the prefetch bucket and the
-reuse distance (one floored block each) and a model under the floor stays gathered whole as before,
-while a block just under the floor does not keep a third block gathered. A value the config sets is
+reuse distance (one floored block each) and a model under the floor stays gathered whole, while a
+block just under the floor does not keep a third block gathered. A value the config sets is
 always kept (Transformers' and Accelerate's fill of ``"auto"`` from ``hidden_size`` arrives as a value
 and is kept too).
 
