@@ -36,6 +36,8 @@ import functools
 import importlib
 import sys
 
+import torch
+
 from . import compat
 from .switches import MUON_COMPILE_AT_FIRST_CALL, TRIM_AFTER_BUILD, switch_on
 
@@ -68,7 +70,6 @@ def compiled_at_first_call(fn, compile_fn):
     @functools.wraps(fn)
     def kernel(*args, **kwargs):
         nonlocal compiled
-        import torch
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
