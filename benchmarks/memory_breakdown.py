@@ -1,8 +1,8 @@
 """Where a rank's memory goes, by buffer: ours, the super-module and FSDP2 on encoder -> LLM.
 
 The workload is peers.py's (encoder ZeRO-2 -> LLM ZeRO-3 for ours, with the sizes left unset as users
-leave them, so each engine works per block of at least min_block_elements ([Note: sizes from the
-model's block]); the same with no floor (peers.PER_BLOCK); the same with DeepSpeed's default sizes written out
+leave them, so each engine works per block, small blocks grouped up to min_block_elements ([Note: sizes
+from the model's block]); the same with no floor (peers.PER_BLOCK); the same with DeepSpeed's default sizes written out
 (peers.DEEPSPEED_SIZES: what those defaults cost); the encoder at ZeRO-3 too (peers.BOTH_ZERO3: the sharding FSDP2 applies); one upstream ZeRO-3
 engine for the super-module; ``fully_shard`` per block for FSDP2; AdamW, both models trained), in fp32 and in
 bf16 (DeepSpeed's ``bf16`` section; FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,

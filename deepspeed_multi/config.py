@@ -145,8 +145,8 @@ class MultiOptions:
         parameter receives gradient both from inside the engine's region and from a direct use
         outside it raises (see _outside_use.MixedUseCheck); -1 checks always, 0 never.
     min_block_elements: bucket and prefetch sizes the config leaves unset are the model's block's,
-        counted as at least this many elements (see [Note: sizes from the model's block]); 0 sizes
-        them by the block alone.
+        grouped into as many whole blocks as fit in this many elements, and this many for a model
+        no larger (see [Note: sizes from the model's block]); 0 sizes them by the block alone.
     allow_mixed_dp_groups: allow one backward pass to reach this engine and engines on other
         data-parallel groups (another ``mpu``); every engine of that backward must allow it.
         Right only when the data is replicated across each model-parallel group, so that every

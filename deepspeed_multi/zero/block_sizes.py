@@ -19,15 +19,21 @@ block, and, for an optimizer that updates element by element (SGD, Adam, AdamW),
 sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
 time during the backward instead of all at once at its first gradient.
 
-No size is below ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304 elements
-by default: 16 MiB in fp32): a block smaller than that counts as that many elements. Each bucket,
-prefetch and sub-group is one more collective with a fixed cost (milliseconds on gloo, tens of
-microseconds on NCCL) that a small block does not amortize, and a small model's whole gradient is a
-few MiB: per block, small models step slower for no memory worth having (``overhead.py
---block-sizes``, benchmarks/PERFORMANCE.md). The live parameters are not a collective: they are two
-of the model's own blocks, never fewer than the floor, so that they hold the prefetch bucket and the
-reuse distance (one floored block each) and a model under the floor stays gathered whole, while a
-block just under the floor does not keep a third block gathered. A value the config sets is
+Blocks smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304
+elements by default: 16 MiB in fp32) are grouped: a size counts as many whole blocks as fit in that
+many elements, at least one, and a model no larger than that has that many (one bucket, gathered
+whole). Each bucket, prefetch and sub-group is one more collective with a fixed
+cost (milliseconds on gloo, tens of microseconds on NCCL) that a small block does not amortize, and
+a small model's whole gradient is a few MiB: per block, small models step slower for no memory worth
+having (``overhead.py --block-sizes``, benchmarks/PERFORMANCE.md). Whole blocks rather than the
+floor itself, because a bucket is allocated at its full size at the first gradient of the backward,
+when every activation is alive: a block of 3/4 of the floor padded to the floor is a third of a
+block held for nothing, while a block above half the floor already amortizes its collective. The
+live parameters are not a collective: they are two of the model's own blocks, never fewer than the
+grouped size, so that they hold the prefetch bucket and the reuse distance (one grouped size each)
+and a model under the floor stays gathered whole, while a block just under the floor does not keep
+a third block gathered. A size is rounded up to an even count: ZeRO-1/2 asserts that of its
+all-gather bucket, and an odd block is common in a small model. A value the config sets is
 always kept (Transformers' and Accelerate's fill of ``"auto"`` from ``hidden_size`` arrives as a value
 and is kept too).
 
@@ -85,16 +91,18 @@ def _elementwise(config: dict, optimizer) -> bool:
     return str((config.get("optimizer") or {}).get("type", "")).lower() in _ELEMENTWISE
 
 
+def elements(module: torch.nn.Module, recurse=True) -> int:
+    """Elements of the module's parameters, trained or frozen (ZeRO-3 gathers both), at their full
+    size under ZeRO-3; ``recurse=False``: its own parameters only."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters(recurse=recurse))
+
+
 def block_elements(model: torch.nn.Module) -> int:
     """Elements of the model's block (see the Note), 0 for a model without parameters."""
-
-    def numel(module, recurse=True):  # ZeRO-3 parameters count their full size
-        return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters(recurse=recurse))
-
-    repeated = [numel(m) for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    repeated = [elements(m) for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
     if any(repeated):
         return max(repeated)
-    return max((numel(m, recurse=False) for m in model.modules()), default=0)
+    return max((elements(m, recurse=False) for m in model.modules()), default=0)
 
 
 def _ranks() -> int:
@@ -112,8 +120,8 @@ def _unset(zero: dict, names) -> bool:
 
 def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
     """``config`` with the unset (or ``"auto"``) sizes of its ZeRO stage set from ``model``'s block,
-    counted as at least ``min_block`` elements; returns ``{key: value}`` of what it set.
-    ``optimizer``: the client optimizer, if any."""
+    grouped into as many whole blocks as fit in ``min_block`` elements (at least one); returns
+    ``{key: value}`` of what it set. ``optimizer``: the client optimizer, if any."""
     zero = config.get("zero_optimization")
     stage = int((zero or {}).get("stage", 0))
     if stage == 0 or not isinstance(model, torch.nn.Module) or not switch_on(BLOCK_SIZES):
@@ -121,7 +129,11 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
     own = block_elements(model)
     if own <= 0:
         return {}
-    block = max(own, int(min_block))
+    floor = int(min_block)
+    if elements(model) <= floor:
+        grouped = floor  # the whole model fits: one bucket, gathered whole
+    else:
+        grouped = own * max(1, floor // own)  # whole blocks: as many as fit in the floor, at least one
     filled = {}
     for field, blocks in (_ZERO3 if stage == 3 else _ZERO12).items():
         found = _field(field)
@@ -131,13 +143,14 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
         if _unset(zero, names):
             for name in names:
                 zero.pop(name, None)
-            zero[key] = filled[key] = min(default, max(blocks * own, block))
+            size = max(blocks * own, grouped)
+            zero[key] = filled[key] = min(default, size + size % 2)  # even: ZeRO-1/2 asserts it of its all-gather
     found = _field("sub_group_size") if stage == 3 else None
     if found is not None and _unset(zero, found[1]) and _elementwise(config, optimizer):
         key, _, default = found
-        share = -(-block // _ranks())  # a sub-group counts this rank's partition elements: a block's share
+        share = -(-grouped // _ranks())  # a sub-group counts this rank's partition elements: its share
         zero[key] = filled[key] = min(default, share)
     if filled:
         logger.info("deepspeed_multi: %s at ZeRO stage %d: sizes the config leaves to DeepSpeed's defaults set from "
-                    "its block of %d elements: %s", type(model).__name__, stage, block, filled)
+                    "its block of %d elements (%d per size): %s", type(model).__name__, stage, own, grouped, filled)
     return filled

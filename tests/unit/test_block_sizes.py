@@ -88,21 +88,43 @@ def test_deepspeeds_defaults_and_names_are_read_from_its_config_model(monkeypatc
     assert filled["reduce_bucket_size"] == 100 and filled["stage3_max_reuse_distance"] == BLOCK
 
 
-def test_a_block_below_the_floor_counts_as_the_floor():
+MODEL = 4 * 16 + 16 + 3 * BLOCK + 16 * 1000 + 1000  # Tower's elements
+
+
+@pytest.mark.parametrize("floor", [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 2 * BLOCK, MODEL - 1, MODEL, 1 << 22])
+def test_blocks_below_the_floor_are_grouped_whole(floor):
+    """A size is as many whole blocks as fit in the floor, at least one: never a block and a part; a
+    model no larger than the floor has the floor (one bucket, gathered whole)."""
+    assert block_sizes.elements(Tower()) == MODEL
     config = {"zero_optimization": {"stage": 3}}
-    filled = block_sizes.fill(config, Tower(), None, min_block=1 << 22)
-    assert filled == {"reduce_bucket_size": 1 << 22, "stage3_prefetch_bucket_size": 1 << 22,
-                      "stage3_max_live_parameters": 1 << 22, "stage3_max_reuse_distance": 1 << 22}
+    filled = block_sizes.fill(config, Tower(), None, min_block=floor)
+    whole = max(1, floor // BLOCK)
+    assert whole * BLOCK <= max(floor, BLOCK) < (whole + 1) * BLOCK
+    one = floor if block_sizes.elements(Tower()) <= floor else whole * BLOCK  # a model under the floor: one bucket
+    assert filled == {"reduce_bucket_size": one, "stage3_prefetch_bucket_size": one,
+                      "stage3_max_live_parameters": max(2 * BLOCK, one), "stage3_max_reuse_distance": one}
 
 
 @pytest.mark.parametrize("floor", [BLOCK // 3, BLOCK, BLOCK + 1, 3 * BLOCK // 2, 2 * BLOCK, 5 * BLOCK])
-def test_live_parameters_are_two_own_blocks_never_below_the_floor(floor):
-    """The live parameters hold the prefetch bucket and the reuse distance (one floored block each) and
+def test_live_parameters_are_two_own_blocks_never_below_the_grouped_size(floor):
+    """The live parameters hold the prefetch bucket and the reuse distance (one grouped size each) and
     two of the model's own blocks: a block just under the floor does not keep a third block gathered."""
     filled = block_sizes.fill({"zero_optimization": {"stage": 3}}, Tower(), None, min_block=floor)
-    one = max(BLOCK, floor)
-    assert filled["stage3_prefetch_bucket_size"] == filled["stage3_max_reuse_distance"] == one
+    one = BLOCK * max(1, floor // BLOCK)  # the Tower is larger than each floor here
+    assert MODEL > floor and filled["stage3_prefetch_bucket_size"] == filled["stage3_max_reuse_distance"] == one
     assert filled["stage3_max_live_parameters"] == max(2 * BLOCK, one) >= one
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("floor", [0, 30, 80, 1 << 12])
+def test_sizes_are_even_for_an_odd_block(stage, floor):
+    """ZeRO-1/2 asserts that its all-gather bucket is a multiple of 2 elements: an odd size is
+    rounded up by one."""
+    model = nn.Sequential(nn.Linear(5, 5), nn.ModuleList(nn.Linear(5, 5, bias=False) for _ in range(4)))
+    assert block_sizes.block_elements(model) == 25 and block_sizes.elements(model) == 130
+    filled = block_sizes.fill({"zero_optimization": {"stage": stage}}, model, None, min_block=floor)
+    grouped = floor if floor >= 130 else 25 * max(1, floor // 25)
+    assert set(filled.values()) <= {grouped + grouped % 2, 50} and all(v % 2 == 0 for v in filled.values()), filled
 
 
 def test_the_floor_option_is_checked():
