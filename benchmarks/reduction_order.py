@@ -19,7 +19,6 @@ Usage: python benchmarks/reduction_order.py [--worlds 2 3 4] [--engines 8] [--re
 """
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -28,12 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import _bench as B
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rank_launcher import free_port  # noqa: E402 (on the path _bench sets)
 
 
 def _rank(rank, world, port, out, engines, reps):
@@ -98,7 +92,7 @@ def main():
     rows = []
     for world in args.worlds:
         out = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(_rank, args=(world, _free_port(), out, args.engines, args.reps), nprocs=world)
+        mp.spawn(_rank, args=(world, free_port(), out, args.engines, args.reps), nprocs=world)
         rows.append(out.get())
     print("| ranks | elements of 4,000 whose bits differ: one joined all_reduce | all_reduce_coalesced |")
     print("|---:|---:|---:|")

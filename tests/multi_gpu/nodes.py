@@ -27,11 +27,12 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from rank_launcher import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE_MAIN = os.path.join(HERE, "node_main.py")
@@ -68,12 +69,6 @@ def require_node_disks():
         pytest.fail(f"DSM_REQUIRE_NODE_DISKS=1, but {why}")
     print(f"skipping: {why}")
     pytest.skip(why)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children():
@@ -138,7 +133,7 @@ class SimulatedNodes:
         os.makedirs(self.disk, exist_ok=True)
         os.makedirs(self.logs, exist_ok=True)
         self.extra_env = dict(env or {})
-        self.port = _free_port()
+        self.port = free_port()
         self.rdzv_id = f"dsm{os.getpid()}x{self.port}"
         self.agents = [None] * nnodes
         self.started_at = None

@@ -73,7 +73,8 @@ def use_gpu(world_size: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (another process may take it before the caller binds it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -182,7 +183,7 @@ def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, ra
     is not caught: it ends the rank with a non-zero exit code and its traceback in the log.
     """
     ctx = _context(gpu=False)
-    port = _free_port()
+    port = free_port()
     log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
     procs = [ctx.Process(target=_rank_main_to_exit,
                          args=(dict(os.environ), r, world_size, port, log_dir, rank_setup, fn, args, kwargs),
@@ -224,7 +225,7 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 240, quiet_rank
     gpu = use_gpu(world_size)
     ctx = _context(gpu)
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
     procs = [
         ctx.Process(target=_rank_main,
@@ -306,7 +307,7 @@ class RankPool:
     """
 
     def __init__(self, world_size, rank_setup=None):
-        gpu, port = use_gpu(world_size), _free_port()
+        gpu, port = use_gpu(world_size), free_port()
         ctx = _context(gpu)
         self.world_size = world_size
         self.rank_setup = rank_setup
