@@ -3,7 +3,8 @@
 The workload is peers.py's (encoder ZeRO-2 -> LLM ZeRO-3 for ours, with the sizes left unset as users
 leave them, so each engine works per block, small blocks grouped up to min_block_elements ([Note: sizes
 from the model's block]); the same with no floor (peers.PER_BLOCK); the same with DeepSpeed's default sizes written out
-(peers.DEEPSPEED_SIZES: what those defaults cost); the encoder at ZeRO-3 too (peers.BOTH_ZERO3: the sharding FSDP2 applies); one upstream ZeRO-3
+(peers.DEEPSPEED_SIZES: what those defaults cost); the encoder at ZeRO-3 too (peers.BOTH_ZERO3: the sharding FSDP2 applies), and that per block
+(peers.BOTH_ZERO3_PER_BLOCK: FSDP2's sharding and granularity); one upstream ZeRO-3
 engine for the super-module; ``fully_shard`` per block for FSDP2; AdamW, both models trained), in fp32 and in
 bf16 (DeepSpeed's ``bf16`` section; FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``). Each variant runs alone in fresh processes, 3 steps, then:
@@ -361,7 +362,8 @@ def _column(row, category):
                                                                              k.startswith("other")))
 
 
-_SUFFIX = {peers.DEEPSPEED_SIZES: "_deepspeed_sizes", peers.PER_BLOCK: "_per_block", peers.BOTH_ZERO3: "_z3z3"}  # of the RESULT keys
+_SUFFIX = {peers.DEEPSPEED_SIZES: "_deepspeed_sizes", peers.PER_BLOCK: "_per_block", peers.BOTH_ZERO3: "_z3z3",
+           peers.BOTH_ZERO3_PER_BLOCK: "_z3z3_per_block"}  # of the RESULT keys
 
 
 def plotter(rows):
@@ -372,6 +374,7 @@ def plotter(rows):
         import numpy as np
         fig, ax = plt.subplots(figsize=(12, 4.2))
         short = {peers.VARIANTS[0]: "ours", peers.DEEPSPEED_SIZES: "ours,\nDS sizes", peers.PER_BLOCK: "ours,\nper block", peers.BOTH_ZERO3: "ours\nZ3+Z3",
+                 peers.BOTH_ZERO3_PER_BLOCK: "ours Z3+Z3,\nper block",
                  peers.VARIANTS[1]: "super", peers.VARIANTS[2]: "FSDP2"}
         x = np.arange(len(rows))
         bottom = np.zeros(len(rows))
@@ -402,7 +405,8 @@ def main():
     ap = B.arg_parser(__doc__)
     ap.add_argument("--sizes", nargs="+", default=list(peers.SIZES), choices=list(peers.SIZES))
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    variants = peers.VARIANTS[:1] + [peers.PER_BLOCK, peers.DEEPSPEED_SIZES, peers.BOTH_ZERO3] + peers.VARIANTS[1:]
+    variants = (peers.VARIANTS[:1] + [peers.PER_BLOCK, peers.DEEPSPEED_SIZES, peers.BOTH_ZERO3, peers.BOTH_ZERO3_PER_BLOCK]
+                + peers.VARIANTS[1:])
     ap.add_argument("--variants", nargs="+", default=variants, choices=variants,
                     help="FSDP2 is always run (the baseline)")
     ap.add_argument("--repeat", type=int, default=1,

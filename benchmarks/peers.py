@@ -43,6 +43,8 @@ PER_BLOCK = "ours, per block, no floor"
 # The encoder at ZeRO-3 too: the sharding FSDP2 applies to both models. ZeRO-2 keeps a whole copy of
 # the encoder's parameters on every rank; this variant shows what that costs.
 BOTH_ZERO3 = "ours (Z3 + Z3)"
+# Both at ZeRO-3 and per block: FSDP2's sharding and granularity together, the like-for-like comparison.
+BOTH_ZERO3_PER_BLOCK = "ours (Z3 + Z3), per block"
 
 
 def _models(size):
@@ -95,8 +97,9 @@ def build_variant(variant, size, encoder, llm, dtype="fp32") -> Variant:
     mse = lambda out, y: ((out.float() - y)**2).mean()  # noqa: E731
     if variant.startswith("ours"):
         cfg = B.ds_config(3, dtype, micro_bs=MICRO_BS)
-        enc_cfg = copy.deepcopy(cfg) if variant == BOTH_ZERO3 else B.ds_config(2, dtype, micro_bs=MICRO_BS)
-        if variant == PER_BLOCK:
+        both3 = variant in (BOTH_ZERO3, BOTH_ZERO3_PER_BLOCK)
+        enc_cfg = copy.deepcopy(cfg) if both3 else B.ds_config(2, dtype, micro_bs=MICRO_BS)
+        if variant in (PER_BLOCK, BOTH_ZERO3_PER_BLOCK):
             cfg["deepspeed_multi"] = {"min_block_elements": 0}
             enc_cfg["deepspeed_multi"] = {"min_block_elements": 0}
         if variant == DEEPSPEED_SIZES:
