@@ -22,11 +22,11 @@ time during the backward instead of all at once at its first gradient.
 Blocks smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304
 elements by default: 16 MiB in fp32) are grouped: a size counts as many whole blocks as fit in that
 many elements, at least one, and a model no larger than that has that many (one bucket, gathered
-whole). Each bucket, prefetch and sub-group is one more collective with a fixed
-cost (milliseconds on gloo, tens of microseconds on NCCL) that a small block does not amortize, and
-a small model's whole gradient is a few MiB: per block, small models step slower for no memory worth
-having (``overhead.py --block-sizes``, benchmarks/PERFORMANCE.md). Whole blocks rather than the
-floor itself, because a bucket is allocated at its full size at the first gradient of the backward,
+whole). Each bucket, prefetch and sub-group is one more collective with a fixed cost (milliseconds
+on gloo, tens of microseconds on NCCL) that a small block does not amortize, and a small model's
+whole gradient is a few MiB: per block, small models step slower for no memory worth having
+(``overhead.py --block-sizes``, benchmarks/PERFORMANCE.md). Whole blocks rather than the floor
+itself, because a bucket is allocated at its full size at the first gradient of the backward,
 when every activation is alive: a block of 3/4 of the floor padded to the floor is a third of a
 block held for nothing, while a block above half the floor already amortizes its collective. The
 live parameters are not a collective: they are two of the model's own blocks, never fewer than the

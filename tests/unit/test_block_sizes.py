@@ -100,7 +100,7 @@ def test_blocks_below_the_floor_are_grouped_whole(floor):
     filled = block_sizes.fill(config, Tower(), None, min_block=floor)
     whole = max(1, floor // BLOCK)
     assert whole * BLOCK <= max(floor, BLOCK) < (whole + 1) * BLOCK
-    one = floor if block_sizes.elements(Tower()) <= floor else whole * BLOCK  # a model under the floor: one bucket
+    one = floor if MODEL <= floor else whole * BLOCK  # a model under the floor: one bucket
     assert filled == {"reduce_bucket_size": one, "stage3_prefetch_bucket_size": one,
                       "stage3_max_live_parameters": max(2 * BLOCK, one), "stage3_max_reuse_distance": one}
 
