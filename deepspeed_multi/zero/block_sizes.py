@@ -14,9 +14,10 @@ So a size the config does not set, or sets to ``"auto"``, becomes the size of th
 never more than DeepSpeed's default: the largest element of its ``nn.ModuleList`` containers (a
 Transformers model's decoder layers, a vision tower's blocks) or, where it has none, its largest
 module holding parameters itself. Reduction and all-gather buckets and the prefetch hold one block,
-ZeRO-3 keeps two blocks' parameters alive and releases a parameter unless it is reused within one
-block, and, for an optimizer that updates element by element (SGD, Adam, AdamW), ZeRO-3 updates in
-sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
+ZeRO-3 prefetches while fewer than two blocks' parameters are alive (DeepSpeed's prefetch takes
+whole parameters, so it may pass that by one) and releases a parameter unless it is reused within
+one block, and, for an optimizer that updates element by element (SGD, Adam, AdamW), ZeRO-3 updates
+in sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
 time during the backward instead of all at once at its first gradient.
 
 Blocks smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304
