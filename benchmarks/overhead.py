@@ -14,10 +14,10 @@ Prints a table and ``RESULT overhead_ratio_z1=.. overhead_ratio_z2=.. overhead_r
 benchmarks/results/overhead.json and overhead.png.
 
 ``--watchdog``, ``--rank-agreement``, ``--meet``, ``--bucket-size``, ``--lazy-grads``, ``--cast-on-gather``,
-``--block-sizes``, ``--rank-order`` and ``--overflow-by-norm`` measure one feature instead: a third variant, ours
-with that feature off (``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``, ``agree_before_collectives=false``,
-``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0``, ``DSM_BLOCK_SIZES=0``,
-``DSM_ZERO3_RANK_ORDER=0`` or ``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
+``--block-sizes``, ``--block-floor``, ``--rank-order`` and ``--overflow-by-norm`` measure one feature instead: a
+third variant, ours with that feature off (``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``,
+``agree_before_collectives=false``, ``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0``,
+``DSM_BLOCK_SIZES=0``, ``min_block_elements=0``, ``DSM_ZERO3_RANK_ORDER=0`` or ``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
 (feature on, the default) / ours (off) as a paired ratio beside the upstream baseline of the same
 run, prints ``RESULT watchdog_ratio_z1=.. ..`` (``rank_agreement_ratio_..``,
 ``overflow_by_norm_ratio_..``) and writes results/overhead_watchdog.json (and so on). ``--dtypes``
@@ -50,6 +50,9 @@ FEATURES = {"watchdog": {"config": {"watchdog_timeout_s": 0}, "env": {}},
             "lazy_grads": {"config": {}, "env": {"DSM_ZERO3_LAZY_GRADS": "0"}},
             "cast_on_gather": {"config": {}, "env": {"DSM_ZERO3_CAST_ON_GATHER": "0"}},
             "block_sizes": {"config": {}, "env": {"DSM_BLOCK_SIZES": "0"}},
+            # Off: the block's sizes however small the block (no floor), FSDP2's per-block granularity; on this
+            # model (under the floor) the default is one bucket, gathered whole, so this is what the floor saves.
+            "block_floor": {"config": {"min_block_elements": 0}, "env": {}},
             "rank_order": {"config": {}, "env": {"DSM_ZERO3_RANK_ORDER": "0"}}}
 
 
@@ -136,6 +139,9 @@ def main():
     ap.add_argument("--block-sizes", action="store_true",
                     help="ours with the sizes a config leaves unset taken from the model's block (zero/block_sizes.py) "
                     "on vs off (DeepSpeed's defaults)")
+    ap.add_argument("--block-floor", action="store_true",
+                    help="ours with small blocks grouped up to min_block_elements (the default) vs per block "
+                    "(min_block_elements=0, FSDP2's granularity)")
     ap.add_argument("--rank-order", action="store_true",
                     help="ours with ZeRO-3's bucket laid out in the reduce-scatter's rank order (zero/stage3_rank_order.py) "
                     "on vs off (packed at each flush)")
@@ -223,7 +229,7 @@ def feature_main(args, feature):
     result = "RESULT " + " ".join(
         f"{feature}_ratio_z{r['stage']}{'' if r['dtype'] == 'fp32' else '_' + r['dtype']}={r['ratio_on_off']:.3f}"
         for r in data)
-    B.save(f"overhead_{feature}", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "rows": data,
+    B.save(f"overhead_{feature}", {"meta": B.meta(steps=args.steps, warmup=args.warmup, dim=D, layers=LAYERS), "rows": data,
                                    "table": table, "result": result})
     print(result)
 

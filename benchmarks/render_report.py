@@ -194,7 +194,7 @@ class Report:
         rows = []
         for feature, off in (("overflow_by_norm", "ours_off"), ("bucket_size", "ours_off"),
                              ("lazy_grads", "ours_off"), ("cast_on_gather", "ours_off"), ("block_sizes", "ours_off"),
-                             ("rank_order", "ours_off")):
+                             ("block_floor", "ours_off"), ("rank_order", "ours_off")):
             data = self.load(f"overhead_{feature}.json")
             if data is None:
                 continue
@@ -647,8 +647,21 @@ class Report:
         if mem:
             worst = max((r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"), key=lambda r: r["live_ratio"])
             if worst["live_ratio"] > 1.0:
-                gaps.append(f"At default settings the peak of live tensors is "
-                            f"{self.fig(worst['live_ratio'], '.2f')}x FSDP2's ({worst['size']}, {worst['dtype']}).")
+                gap = (f"At default settings the peak of live tensors is "
+                       f"{self.fig(worst['live_ratio'], '.2f')}x FSDP2's ({worst['size']}, {worst['dtype']}).")
+                per_block = next((r for r in mem["rows"] if r["variant"] == "ours, per block, no floor"
+                                  and (r["size"], r["dtype"]) == (worst["size"], worst["dtype"])), None)
+                floor = self.load("overhead_block_floor.json")
+                z3 = next((r for r in floor["rows"] if r["stage"] == 3 and r["dtype"] == "fp32"), None) if floor else None
+                if per_block and z3:
+                    m = floor["meta"]
+                    gap += (f" Per block (`min_block_elements: 0`, FSDP2's granularity) it is "
+                            f"{self.fig(per_block['live_ratio'], '.2f')}x, and a single ZeRO-3 engine per block over "
+                            f"{self.fig(m['layers'], 'd')} blocks of width {self.fig(m['dim'], 'd')} steps "
+                            f"{self.ratio(z3['raw_ms']['ours_off'], z3['raw_ms']['upstream'])} of upstream against "
+                            f"{self.ratio(z3['raw_ms']['ours'], z3['raw_ms']['upstream'])} at the default (the "
+                            "`block-floor` row above): blocks under `min_block_elements` are grouped for the step time.")
+                gaps.append(gap)
         e2e = self.load("fused_reduce_e2e.json")
         if e2e and not any(r.get("raw_ms") for r in e2e["rows"]):
             gaps.append("The fused path's end-to-end run kept medians only, no per-step times: its spread is unknown "

@@ -32,9 +32,11 @@ else
     [overhead_overflow_by_norm]="--overflow-by-norm --dtypes fp32 bf16 --steps 60"
     [overhead_bucket_size]="--bucket-size --dtypes fp32 bf16" [overhead_lazy_grads]="--lazy-grads --dtypes fp32 bf16"
     [overhead_cast_on_gather]="--cast-on-gather --dtypes bf16 --steps 40" [overhead_block_sizes]="--block-sizes --steps 40"
+    [overhead_block_floor]="--block-floor --steps 40"
     [overhead_rank_order]="--rank-order --steps 40")
   extras=(overhead_watchdog overhead_meet overhead_rank_agreement zero3_grad_view overhead_overflow_by_norm
-          overhead_bucket_size overhead_lazy_grads overhead_cast_on_gather overhead_block_sizes overhead_rank_order)
+          overhead_bucket_size overhead_lazy_grads overhead_cast_on_gather overhead_block_sizes overhead_block_floor
+          overhead_rank_order)
   readme=(--readme README.md)
 fi
 mkdir -p "$BENCH_RESULTS"
