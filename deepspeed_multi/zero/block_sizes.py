@@ -14,9 +14,8 @@ So a size the config does not set, or sets to ``"auto"``, becomes the size of th
 never more than DeepSpeed's default: the largest element of its ``nn.ModuleList`` containers (a
 Transformers model's decoder layers, a vision tower's blocks) or, where it has none, its largest
 module holding parameters itself. Reduction and all-gather buckets and the prefetch hold one block,
-ZeRO-3 prefetches while fewer than two blocks' parameters are alive (DeepSpeed's prefetch takes
-whole parameters, so it may pass that by one) and releases a parameter unless it is reused within
-one block, and, for an optimizer that updates element by element (SGD, Adam, AdamW), ZeRO-3 updates
+ZeRO-3's prefetch keeps at most two blocks' parameters gathered (see below) and releases a parameter
+unless it is reused within one block, and, for an optimizer that updates element by element (SGD, Adam, AdamW), ZeRO-3 updates
 in sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
 time during the backward instead of all at once at its first gradient.
 
@@ -34,7 +33,14 @@ block held for nothing, while a block above half the floor already amortizes its
 live parameters are not a collective: they are two of the model's own blocks, never fewer than the
 grouped size, so that they hold the prefetch bucket and the reuse distance (one grouped size each)
 and a model under the floor stays gathered whole, while a block just under the floor does not keep
-a third block gathered. A size is rounded up to an even count: ZeRO-1/2 asserts that of its
+a third block gathered. DeepSpeed's prefetch adds whole parameters while fewer elements than its room
+(``stage3_max_live_parameters`` less what is gathered) are in flight, so it may pass the limit by all
+but one element of a parameter: where a forward leaves a block partly released, the room at the
+backward's start is a few of its parameters and the prefetch takes the next block's largest weight
+beside them. The limit is therefore two blocks less all but one element of the block's largest
+parameter: the prefetch then never holds more than two blocks, and with one block gathered it still
+takes all but at most that parameter of the next at once (the rest as soon as the running block
+releases anything), or the whole next block where it is one parameter. A bucket's size is rounded up to an even count: ZeRO-1/2 asserts that of its
 all-gather bucket, and an odd block is common in a small model. A value the config sets is
 always kept (Transformers' and Accelerate's fill of ``"auto"`` from ``hidden_size`` arrives as a value
 and is kept too).
@@ -99,12 +105,26 @@ def elements(module: torch.nn.Module, recurse=True) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters(recurse=recurse))
 
 
+def _block(model: torch.nn.Module):
+    """(the model's block, whether its parameters are counted recursively) (see the Note); (None, False) for a
+    model without parameters."""
+    repeated = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst if elements(m)]
+    if repeated:
+        return max(repeated, key=elements), True
+    own = [m for m in model.modules() if elements(m, recurse=False)]
+    return (max(own, key=lambda m: elements(m, recurse=False)), False) if own else (None, False)
+
+
 def block_elements(model: torch.nn.Module) -> int:
     """Elements of the model's block (see the Note), 0 for a model without parameters."""
-    repeated = [elements(m) for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
-    if any(repeated):
-        return max(repeated)
-    return max((elements(m, recurse=False) for m in model.modules()), default=0)
+    block, recurse = _block(model)
+    return 0 if block is None else elements(block, recurse)
+
+
+def largest_block_parameter(model: torch.nn.Module) -> int:
+    """Elements of the largest parameter of the model's block, 0 for a model without parameters."""
+    block, recurse = _block(model)
+    return 0 if block is None else max(getattr(p, "ds_numel", p.numel()) for p in block.parameters(recurse=recurse))
 
 
 def _ranks() -> int:
@@ -145,8 +165,12 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
         if _unset(zero, names):
             for name in names:
                 zero.pop(name, None)
-            size = max(blocks * own, grouped)
-            zero[key] = filled[key] = min(default, size + size % 2)  # even: ZeRO-1/2 asserts it of its all-gather
+            if field == "max_live_parameters":  # the prefetch's room, which it may pass by a parameter less one element
+                size = max(blocks * own - largest_block_parameter(model) + 1, grouped)
+            else:
+                size = max(blocks * own, grouped)
+                size += size % 2  # even: ZeRO-1/2 asserts it of its all-gather bucket
+            zero[key] = filled[key] = min(default, size)
     found = _field("sub_group_size") if stage == 3 else None
     if found is not None and _unset(zero, found[1]) and _elementwise(config, optimizer):
         key, _, default = found

@@ -16,6 +16,8 @@ class Tower(nn.Module):
 
 
 BLOCK = 2 * (16 * 32) + 32 + 16
+LARGEST = 16 * 32  # the block's largest parameter (either weight)
+LIVE = 2 * BLOCK - LARGEST + 1  # two blocks less all but one element of the largest parameter
 
 
 def _fill(stage, optimizer=None, **zero):
@@ -35,7 +37,7 @@ def test_zero3_unset_and_auto_sizes_come_from_the_block_written_ones_stay(monkey
     zero, filled = _fill(3, torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), reduce_bucket_size="auto",
                          prefetch_bucket_size=123)
     assert zero["prefetch_bucket_size"] == 123 and "stage3_prefetch_bucket_size" not in filled
-    assert filled == {"reduce_bucket_size": BLOCK, "stage3_max_live_parameters": 2 * BLOCK,
+    assert filled == {"reduce_bucket_size": BLOCK, "stage3_max_live_parameters": LIVE,
                       "stage3_max_reuse_distance": BLOCK, "sub_group_size": -(-BLOCK // 2)}
     assert zero["reduce_bucket_size"] == BLOCK
 
@@ -60,13 +62,14 @@ def test_zero3_sub_groups_only_for_element_wise_optimizers(optimizer, config_typ
 
 
 def test_never_above_deepspeeds_defaults():
-    class Huge(nn.Module):  # a block of 6e8 elements, counted from ds_numel without allocating it
+    class Huge(nn.Module):  # a block of two 6e8-element parameters, counted from ds_numel without allocating them
         def __init__(self):
             super().__init__()
-            p = nn.Parameter(torch.empty(0))
-            p.ds_numel = 6 * 10**8
             self.blocks = nn.ModuleList([nn.Module()])
-            self.blocks[0].w = p
+            for name in ("w", "v"):
+                p = nn.Parameter(torch.empty(0))
+                p.ds_numel = 6 * 10**8
+                setattr(self.blocks[0], name, p)
 
     config = {"zero_optimization": {"stage": 3}}
     filled = block_sizes.fill(config, Huge())
@@ -102,29 +105,34 @@ def test_blocks_below_the_floor_are_grouped_whole(floor):
     assert whole * BLOCK <= max(floor, BLOCK) < (whole + 1) * BLOCK
     one = floor if MODEL <= floor else whole * BLOCK  # a model under the floor: one bucket
     assert filled == {"reduce_bucket_size": one, "stage3_prefetch_bucket_size": one,
-                      "stage3_max_live_parameters": max(2 * BLOCK, one), "stage3_max_reuse_distance": one}
+                      "stage3_max_live_parameters": max(LIVE, one), "stage3_max_reuse_distance": one}
 
 
 @pytest.mark.parametrize("floor", [BLOCK // 3, BLOCK, BLOCK + 1, 3 * BLOCK // 2, 2 * BLOCK, 5 * BLOCK])
 def test_live_parameters_are_two_own_blocks_never_below_the_grouped_size(floor):
     """The live parameters hold the prefetch bucket and the reuse distance (one grouped size each) and
-    two of the model's own blocks: a block just under the floor does not keep a third block gathered."""
+    two of the model's own blocks, less all but one element of the block's largest parameter (the most
+    DeepSpeed's prefetch may pass its room by): a block just under the floor does not keep a third block
+    gathered, and the prefetch never takes one past two."""
     filled = block_sizes.fill({"zero_optimization": {"stage": 3}}, Tower(), None, min_block=floor)
     one = BLOCK * max(1, floor // BLOCK)  # the Tower is larger than each floor here
     assert MODEL > floor and filled["stage3_prefetch_bucket_size"] == filled["stage3_max_reuse_distance"] == one
-    assert filled["stage3_max_live_parameters"] == max(2 * BLOCK, one) >= one
+    assert filled["stage3_max_live_parameters"] == max(LIVE, one) >= one
+    assert block_sizes.largest_block_parameter(Tower()) == LARGEST
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("floor", [0, 30, 80, 1 << 12])
 def test_sizes_are_even_for_an_odd_block(stage, floor):
     """ZeRO-1/2 asserts that its all-gather bucket is a multiple of 2 elements: an odd size is
-    rounded up by one."""
+    rounded up by one. ZeRO-3's live parameters are not a bucket and are not rounded (see the test above)."""
     model = nn.Sequential(nn.Linear(5, 5), nn.ModuleList(nn.Linear(5, 5, bias=False) for _ in range(4)))
     assert block_sizes.block_elements(model) == 25 and block_sizes.elements(model) == 130
     filled = block_sizes.fill({"zero_optimization": {"stage": stage}}, model, None, min_block=floor)
+    live = filled.pop("stage3_max_live_parameters", None)
     grouped = floor if floor >= 130 else 25 * max(1, floor // 25)
-    assert set(filled.values()) <= {grouped + grouped % 2, 50} and all(v % 2 == 0 for v in filled.values()), filled
+    assert set(filled.values()) <= {grouped + grouped % 2} and all(v % 2 == 0 for v in filled.values()), filled
+    assert live in (None, max(2 * 25 - 25 + 1, grouped))  # the block is one parameter: one block and an element
 
 
 def test_the_floor_option_is_checked():
