@@ -15,9 +15,9 @@ never more than DeepSpeed's default: the largest element of its ``nn.ModuleList`
 Transformers model's decoder layers, a vision tower's blocks) or, where it has none, its largest
 module holding parameters itself. Reduction and all-gather buckets and the prefetch hold one block,
 ZeRO-3's prefetch keeps at most two blocks' parameters gathered (see below) and releases a parameter
-unless it is reused within one block, and, for an optimizer that updates element by element (SGD, Adam, AdamW), ZeRO-3 updates
-in sub-groups of one block's partition, so that its gradient partitions are allocated a block at a
-time during the backward instead of all at once at its first gradient.
+unless it is reused within one block, and, for an optimizer that updates element by element (SGD,
+Adam, AdamW), ZeRO-3 updates in sub-groups of one block's partition, so that its gradient partitions
+are allocated a block at a time during the backward instead of all at once at its first gradient.
 
 Blocks smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304
 elements by default: 16 MiB in fp32) are grouped: a size counts as many whole blocks as fit in that
@@ -39,11 +39,11 @@ but one element of a parameter: where a forward leaves a block partly released, 
 backward's start is a few of its parameters and the prefetch takes the next block's largest weight
 beside them. The limit is therefore two blocks less all but one element of the block's largest
 parameter: the prefetch then never holds more than two blocks, and with one block gathered it still
-takes all but at most that parameter of the next at once (the rest as soon as the running block
-releases anything), or the whole next block where it is one parameter. A bucket's size is rounded up to an even count: ZeRO-1/2 asserts that of its
-all-gather bucket, and an odd block is common in a small model. A value the config sets is
-always kept (Transformers' and Accelerate's fill of ``"auto"`` from ``hidden_size`` arrives as a value
-and is kept too).
+takes the next at once but for fewer elements than that parameter (those as soon as the running block
+releases anything), or the whole next block where it is one parameter. A bucket's size is rounded up
+to an even count: ZeRO-1/2 asserts that of its all-gather bucket, and an odd block is common in a
+small model. A value the config sets is always kept (Transformers' and Accelerate's fill of ``"auto"``
+from ``hidden_size`` arrives as a value and is kept too).
 
 The sizes decide when a bucket is flushed and when a parameter is gathered or released, never
 which elements are summed: every gradient element is the same sum over the ranks in whichever
