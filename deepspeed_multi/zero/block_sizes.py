@@ -26,7 +26,7 @@ whole). Each bucket, prefetch and sub-group is one more collective with a fixed 
 on gloo, tens of microseconds on NCCL) that a small block does not amortize, and a small model's
 whole gradient is a few MiB: per block, small models step slower for no memory worth having
 (``overhead.py --block-floor``, benchmarks/PERFORMANCE.md: on gloo a ZeRO-3 engine over three blocks of
-width 256 steps about an eighth slower per block than grouped). Whole blocks rather than the floor
+width 256 steps slower per block than grouped, by more than a tenth). Whole blocks rather than the floor
 itself, because a bucket is allocated at its full size at the first gradient of the backward,
 when every activation is alive: a block of 3/4 of the floor padded to the floor is a third of a
 block held for nothing, while a block above half the floor already amortizes its collective. The
