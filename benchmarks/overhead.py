@@ -17,9 +17,9 @@ benchmarks/results/overhead.json and overhead.png.
 ``--block-sizes``, ``--block-floor``, ``--rank-order`` and ``--overflow-by-norm`` measure one feature instead: a
 third variant, ours with that feature off (``watchdog_timeout_s=0``, ``DSM_CHECK_RANK_AGREEMENT=0``,
 ``agree_before_collectives=false``, ``DSM_BUCKET_SIZE=0``, ``DSM_ZERO3_LAZY_GRADS=0``, ``DSM_ZERO3_CAST_ON_GATHER=0``,
-``DSM_BLOCK_SIZES=0``, ``min_block_elements=0``, ``DSM_ZERO3_RANK_ORDER=0`` or ``DSM_ZERO12_OVERFLOW_BY_NORM=0``), runs interleaved with the other two; the table gives ours
-(feature on, the default) / ours (off) as a paired ratio beside the upstream baseline of the same
-run, prints ``RESULT watchdog_ratio_z1=.. ..`` (``rank_agreement_ratio_..``,
+``DSM_BLOCK_SIZES=0``, ``min_block_elements=0``, ``DSM_ZERO3_RANK_ORDER=0`` or ``DSM_ZERO12_OVERFLOW_BY_NORM=0``),
+runs interleaved with the other two; the table gives ours (feature on, the default) / ours (off) as a paired
+ratio beside the upstream baseline of the same run, prints ``RESULT watchdog_ratio_z1=.. ..`` (``rank_agreement_ratio_..``,
 ``overflow_by_norm_ratio_..``) and writes results/overhead_watchdog.json (and so on). ``--dtypes``
 picks the dtypes of that mode (default fp32; the overflow flag exists only in bf16/fp16, so at
 fp32, and at ZeRO-3 for ``--overflow-by-norm``, on and off are the same code: an A/A control).

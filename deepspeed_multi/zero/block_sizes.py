@@ -99,10 +99,15 @@ def _elementwise(config: dict, optimizer) -> bool:
     return str((config.get("optimizer") or {}).get("type", "")).lower() in _ELEMENTWISE
 
 
+def _numel(p) -> int:
+    """A parameter's elements, at its full size under ZeRO-3."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def elements(module: torch.nn.Module, recurse=True) -> int:
     """Elements of the module's parameters, trained or frozen (ZeRO-3 gathers both), at their full
     size under ZeRO-3; ``recurse=False``: its own parameters only."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters(recurse=recurse))
+    return sum(_numel(p) for p in module.parameters(recurse=recurse))
 
 
 def _block(model: torch.nn.Module):
@@ -117,14 +122,20 @@ def _block(model: torch.nn.Module):
 
 def block_elements(model: torch.nn.Module) -> int:
     """Elements of the model's block (see the Note), 0 for a model without parameters."""
-    block, recurse = _block(model)
-    return 0 if block is None else elements(block, recurse)
+    return _block_sizes(model)[0]
 
 
 def largest_block_parameter(model: torch.nn.Module) -> int:
     """Elements of the largest parameter of the model's block, 0 for a model without parameters."""
+    return _block_sizes(model)[1]
+
+
+def _block_sizes(model: torch.nn.Module):
+    """(elements of the model's block, of its largest parameter); (0, 0) for a model without parameters."""
     block, recurse = _block(model)
-    return 0 if block is None else max(getattr(p, "ds_numel", p.numel()) for p in block.parameters(recurse=recurse))
+    if block is None:
+        return 0, 0
+    return elements(block, recurse), max(_numel(p) for p in block.parameters(recurse=recurse))
 
 
 def _ranks() -> int:
@@ -148,7 +159,7 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
     stage = int((zero or {}).get("stage", 0))
     if stage == 0 or not isinstance(model, torch.nn.Module) or not switch_on(BLOCK_SIZES):
         return {}
-    own = block_elements(model)
+    own, largest = _block_sizes(model)
     if own <= 0:
         return {}
     floor = int(min_block)
@@ -166,7 +177,7 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
             for name in names:
                 zero.pop(name, None)
             if field == "max_live_parameters":  # the prefetch's room, which it may pass by a parameter less one element
-                size = max(blocks * own - largest_block_parameter(model) + 1, grouped)
+                size = max(blocks * own - largest + 1, grouped)
             else:
                 size = max(blocks * own, grouped)
                 size += size % 2  # even: ZeRO-1/2 asserts it of its all-gather bucket
