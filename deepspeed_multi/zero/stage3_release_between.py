@@ -34,7 +34,7 @@ from .. import compat
 from ..autograd import graph
 from ..state import TrainingState
 from ..switches import ZERO3_RELEASE_BETWEEN, switch_on
-from . import stage3_joined_fetch, stage3_prefetch
+from . import block_sizes, stage3_joined_fetch, stage3_prefetch
 
 FEATURE = "stage3_release_between"
 _RELEASE = stage3_joined_fetch._MANGLED + "release_param"
@@ -68,7 +68,7 @@ def install(optimizer) -> bool:
 def _elements(engine) -> int:
     found = _ELEMENTS.get(engine)
     if found is None:
-        found = _ELEMENTS[engine] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        found = _ELEMENTS[engine] = block_sizes.elements(engine.module)
     return found
 
 
