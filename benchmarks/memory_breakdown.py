@@ -318,7 +318,8 @@ def breakdown(size, variant_name, dtype, steps=3) -> dict:
 
 def _median_of_runs(runs):
     """One row per (size, dtype, variant): the first run's buffers (counted bytes do not change between
-    runs) with the median of the runs' peaks, and each run's peak live / FSDP2's from the same run."""
+    runs) with the median of the runs' peaks, each run's peak live and peak RSS / FSDP2's from the same
+    run, and each run's peak RSS (RSS moves between runs by more than live tensors do: see RSS_CAPTION)."""
     rows = []
     for i, first in enumerate(runs[0]):
         same = [run[i] for run in runs]
@@ -330,6 +331,10 @@ def _median_of_runs(runs):
                      and x["variant"] == "FSDP2") for run in runs]
         row["live_ratio_runs"] = [r["peak_live_mb"] / f["peak_live_mb"] for r, f in zip(same, fsdp)]
         row["live_ratio"] = B.median(row["live_ratio_runs"])  # paired: each run against FSDP2's of that run
+        if "peak_rss_mb" in row:
+            row["peak_rss_runs_mb"] = [r["peak_rss_mb"] for r in same]
+            row["rss_ratio_runs"] = [r["peak_rss_mb"] / f["peak_rss_mb"] for r, f in zip(same, fsdp)]
+            row["rss_ratio"] = B.median(row["rss_ratio_runs"])
         row["rss_phases_mb"] = {k: B.median([r["rss_phases_mb"][k] for r in same]) for k in first.get("rss_phases_mb", {})}
         rows.append(row)
     return rows
@@ -339,7 +344,9 @@ RSS_CAPTION = ("Resident memory by phase (CPU; MiB above the resident set before
                "the build's high-water mark (the user's model, its copy and the engines' construction copies), what "
                "stays resident after the build and after each step, and the live tensors at the start of the last "
                "step; resident - live is the C allocator's free memory kept in the heap (glibc reuses it for the next "
-               "allocations instead of returning it) and what the walk does not see.")
+               "allocations instead of returning it) and what the walk does not see. Which heap a thread's allocations "
+               "land in, and so how much of it stays resident, changes from run to run: read peak RSS / FSDP2 with the "
+               "range of its runs.")
 
 
 def rss_table(rows) -> str:
@@ -349,12 +356,18 @@ def rss_table(rows) -> str:
         return ""
     steps = [k for k in keys if k.startswith("after step")]
     return B.fmt_table(["size", "dtype", "variant", "build peak", "after build", *steps, "peak RSS",
-                        "live tensors", "resident - live"],
+                        "peak RSS / FSDP2 (runs)", "live tensors", "resident - live"],
                        [[r["size"], r["dtype"], r["variant"]] + [f"{r['rss_phases_mb'][k]:.1f}"
                                                                 for k in ("build peak", "after build", *steps)]
-                        + [f"{r['peak_rss_mb']:.1f}", f"{r['rss_phases_mb']['live tensors']:.1f}",
+                        + [f"{r['peak_rss_mb']:.1f}", _ratio_runs(r, "rss"), f"{r['rss_phases_mb']['live tensors']:.1f}",
                            f"{r['rss_phases_mb'][steps[-1]] - r['rss_phases_mb']['live tensors']:.1f}"]
                         for r in rows])
+
+
+def _ratio_runs(row, key):
+    """``row``'s median ``key`` ratio to FSDP2's with the runs' range where there are several."""
+    runs = row[f"{key}_ratio_runs"]
+    return f"{row[key + '_ratio']:.2f}" + (f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else "")
 
 
 def _column(row, category):
@@ -430,17 +443,15 @@ def main():
         table_rows.append([r["size"], r["dtype"], r["variant"]] + [f"{_column(r, c):.1f}" for c in CATEGORIES]
                           + [f"{state:.1f}", f"{state / fsdp_state:.2f}", f"{r['activations_mb']:.1f}",
                              f"{r['peak_live_mb']:.1f} ({r['peak_phase']})",
-                             f"{r['live_ratio']:.2f}"
-                             + (f" ({min(r['live_ratio_runs']):.2f}-{max(r['live_ratio_runs']):.2f})"
-                                if args.repeat > 1 else ""),
-                             f"{r['peak_rss_mb']:.1f}", f"{r['peak_rss_mb'] / fsdp['peak_rss_mb']:.2f}"]
+                             _ratio_runs(r, "live"), f"{r['peak_rss_mb']:.1f}", _ratio_runs(r, "rss")]
                           + ([f"{r['cuda_step_peak_mb']:.1f}", f"{r['cuda_step_peak_mb'] / fsdp['cuda_step_peak_mb']:.2f}"]
                              if cuda else []))
     table = B.fmt_table(["size", "dtype", "variant"] + [f"{c} MiB" for c in CATEGORIES]
                         + ["state MiB", "state / FSDP2", "activations MiB", "peak live MiB (phase)",
                            "peak live / FSDP2" + (f" (median of {args.repeat}, range)" if args.repeat > 1 else ""),
                            *(["allocated peak, build + steps 1-2 MiB", "/ FSDP2"] if cuda
-                                                  else ["peak RSS MiB", "peak RSS / FSDP2"])]
+                                                  else ["peak RSS MiB", "peak RSS / FSDP2"
+                                                        + (f" (median of {args.repeat}, range)" if args.repeat > 1 else "")])]
                         + (["cuda max allocated in step MiB", "/ FSDP2"] if cuda else []), table_rows)
     others = sorted({k for r in rows for k in r["by_buffer_mb"] if k.startswith("other")})
     detail = B.fmt_table(["size", "dtype", "variant"] + others,
@@ -465,7 +476,7 @@ def main():
                               [[f"{mb:.2f}", n, who] for mb, n, who in r["at_peak"]]))
     result = "RESULT " + " ".join(
         f"{key}_vs_fsdp2_{r['size']}_{r['dtype']}{_SUFFIX.get(r['variant'], '')}="
-        f"{r['live_ratio'] if key == 'live' else r[field] / f[field]:.2f}"
+        f"{r[key + '_ratio'] if key in ('live', 'rss') else r[field] / f[field]:.2f}"
         for r in rows if r["variant"].startswith("ours")
         for f in rows if f["variant"] == "FSDP2" and f["size"] == r["size"] and f["dtype"] == r["dtype"]
         for key, field in (("state", "state_mb"), ("live", "peak_live_mb"), ("rss", "peak_rss_mb"))

@@ -291,7 +291,7 @@ class Report:
                    "memory by buffer (`memory_breakdown.py`: what each holder keeps after the backward, "
                    "the peak of live tensors in a step and its phase)",
                    "PyTorch FSDP2 (`fully_shard` per block) and the super-module (one upstream ZeRO-3 engine)",
-                   "python benchmarks/peers.py && python benchmarks/memory_breakdown.py --repeat 3 --at-peak")
+                   "python benchmarks/peers.py && python benchmarks/memory_breakdown.py --repeat 5 --at-peak")
         data = self.result("peers.json")
         if data is not None:
             rows = []
@@ -357,13 +357,77 @@ class Report:
                  "profiled step. Resident minus live is mostly free memory the C allocator (glibc) keeps in its heap "
                  "to reuse for the next allocations (the super-module is left out: its bucket at DeepSpeed's default size "
                  "is allocated but never touched, so never resident):", "")
-        self.table(["size", "dtype", "variant", "build peak", "after build", *map(self.fig, steps), "peak RSS", "live tensors",
-                    "resident - live"],
+        self.table(["size", "dtype", "variant", "build peak", "after build", *map(self.fig, steps), "peak RSS",
+                    "peak RSS / FSDP2 (runs)", "live tensors", "resident - live"],
                    [[r["size"], r["dtype"], r["variant"]]
                     + [self.fig(r["rss_phases_mb"][k], ".1f") for k in ("build peak", "after build", *steps)]
-                    + [self.fig(r["peak_rss_mb"], ".1f"), self.fig(r["rss_phases_mb"]["live tensors"], ".1f"),
+                    + [self.fig(r["peak_rss_mb"], ".1f"), self.ratio_runs(r, "rss"),
+                       self.fig(r["rss_phases_mb"]["live tensors"], ".1f"),
                        self.fig(r["rss_phases_mb"][steps[-1]] - r["rss_phases_mb"]["live tensors"], ".1f")]
                     for r in rows if not r["variant"].startswith("super")])
+
+    def memory_gap(self, mem):
+        """The open-gap bullet on memory at default settings: where the peak of live tensors and peak RSS are above
+        FSDP2's ("" where neither is)."""
+        ours = [r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"]
+
+        def beside(variant, r):
+            return next((x for x in mem["rows"] if x["variant"] == variant and (x["size"], x["dtype"]) == (r["size"], r["dtype"])),
+                        None)
+        above = [r for r in ours if r["live_ratio"] > 1.0]
+        said = []
+        if above:
+            said.append("At default settings the peak of live tensors is above FSDP2's: " + ", ".join(
+                f"{r['size']} {r['dtype']} {self.fig(r['live_ratio'], '.2f')}x" for r in above) + ".")
+            worst = max(above, key=lambda r: r["live_ratio"])
+            per_block = beside("ours, per block, no floor", worst)
+            floor = self.load("overhead_block_floor.json")
+            z3 = next((r for r in floor["rows"] if r["stage"] == 3 and r["dtype"] == "fp32"), None) if floor else None
+            if per_block and z3:
+                m = floor["meta"]
+                said.append(f"Per block (`min_block_elements: 0`, FSDP2's granularity) the {worst['size']} one is "
+                            f"{self.fig(per_block['live_ratio'], '.2f')}x, and a single ZeRO-3 engine per block over "
+                            f"{self.fig(m['layers'], 'd')} blocks of width {self.fig(m['dim'], 'd')} steps "
+                            f"{self.ratio(z3['raw_ms']['ours_off'], z3['raw_ms']['upstream'])} of upstream against "
+                            f"{self.ratio(z3['raw_ms']['ours'], z3['raw_ms']['upstream'])} at the default (the "
+                            "`block-floor` row above): blocks under `min_block_elements` are grouped for the step time.")
+            for r in above:
+                fsdp, sharded = beside("FSDP2", r), beside("ours (Z3 + Z3)", r)
+                if fsdp and sharded and r.get("step_growth_mb", 1e9) <= fsdp.get("step_growth_mb", 0):
+                    said.append(f"At {r['size']} ours' step adds less than FSDP2's ({self.fig(r['step_growth_mb'], '.1f')} "
+                                f"against {self.fig(fsdp['step_growth_mb'], '.1f')} MiB) on more held at its start "
+                                f"({self.fig(r['live_at_step_start_mb'], '.1f')} against "
+                                f"{self.fig(fsdp['live_at_step_start_mb'], '.1f')}): the ZeRO-2 encoder's whole "
+                                f"parameters, which FSDP2 shards (with the encoder at ZeRO-3 too, "
+                                f"{self.fig(sharded['live_ratio'], '.2f')}x).")
+        said.append(self.rss_gap(mem, ours))
+        return " ".join(filter(None, said))
+
+    def rss_gap(self, mem, ours):
+        """The sentence on peak RSS at default settings where it is above FSDP2's in some run ("" otherwise, or
+        for results from before each run's RSS was kept)."""
+        rows = [r for r in ours if r.get("rss_ratio_runs")]
+        if not rows or max(max(r["rss_ratio_runs"]) for r in rows) <= 1.0:
+            return ""
+        fsdp = {(f["size"], f["dtype"]): f["peak_rss_runs_mb"] for f in mem["rows"]
+                if f["variant"] == "FSDP2" and f.get("peak_rss_runs_mb")}
+        said = [f"{r['size']} {r['dtype']} {self.ratio_runs(r, 'rss')}" for r in rows]
+        spread = [f"{self.fig(min(v), '.1f')} to {self.fig(max(v), '.1f')} MiB ({size})"
+                  for (size, _), v in fsdp.items() if len(v) > 1]
+        design = os.path.relpath(ROOT / "docs" / "design.md", self.out_dir)
+        return (f"Peak RSS at default settings, ours / FSDP2's, median of {self.fig(len(rows[0]['rss_ratio_runs']), 'd')} "
+                f"runs (their range): {', '.join(said)}" + (f"; FSDP2's own moved from {', '.join(spread)} across "
+                                                               "those runs" if spread else "")
+                + f". Resident memory on CPU is mostly the C allocator's heap ([docs/design.md]({design}#decisions)).")
+
+    def ratio_runs(self, row, key):
+        """``row``'s median ``key`` ratio to FSDP2's with its runs' range; "-" for FSDP2 itself or a result
+        from before the runs were kept."""
+        runs = row.get(f"{key}_ratio_runs")
+        if not runs or row["variant"] == "FSDP2":
+            return "-"
+        return self.fig(row[f"{key}_ratio"], ".2f") + (f" ({self.fig(min(runs), '.2f')}-{self.fig(max(runs), '.2f')})"
+                                                       if len(runs) > 1 else "")
 
     def parts(self):
         self.start("One model in parts: against whole-model ZeRO-3 and FSDP2",
@@ -644,24 +708,9 @@ class Report:
                         "says why they are "
                         "not joined.")
         mem = self.load("memory_breakdown.json")
-        if mem:
-            worst = max((r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"), key=lambda r: r["live_ratio"])
-            if worst["live_ratio"] > 1.0:
-                gap = (f"At default settings the peak of live tensors is "
-                       f"{self.fig(worst['live_ratio'], '.2f')}x FSDP2's ({worst['size']}, {worst['dtype']}).")
-                per_block = next((r for r in mem["rows"] if r["variant"] == "ours, per block, no floor"
-                                  and (r["size"], r["dtype"]) == (worst["size"], worst["dtype"])), None)
-                floor = self.load("overhead_block_floor.json")
-                z3 = next((r for r in floor["rows"] if r["stage"] == 3 and r["dtype"] == "fp32"), None) if floor else None
-                if per_block and z3:
-                    m = floor["meta"]
-                    gap += (f" Per block (`min_block_elements: 0`, FSDP2's granularity) it is "
-                            f"{self.fig(per_block['live_ratio'], '.2f')}x, and a single ZeRO-3 engine per block over "
-                            f"{self.fig(m['layers'], 'd')} blocks of width {self.fig(m['dim'], 'd')} steps "
-                            f"{self.ratio(z3['raw_ms']['ours_off'], z3['raw_ms']['upstream'])} of upstream against "
-                            f"{self.ratio(z3['raw_ms']['ours'], z3['raw_ms']['upstream'])} at the default (the "
-                            "`block-floor` row above): blocks under `min_block_elements` are grouped for the step time.")
-                gaps.append(gap)
+        gap = self.memory_gap(mem) if mem else ""
+        if gap:
+            gaps.append(gap)
         e2e = self.load("fused_reduce_e2e.json")
         if e2e and not any(r.get("raw_ms") for r in e2e["rows"]):
             gaps.append("The fused path's end-to-end run kept medians only, no per-step times: its spread is unknown "

@@ -28,7 +28,7 @@ else
   declare -A extra=(
     [overhead]="--dtypes fp32 bf16 --steps 100" [overhead_watchdog]="--watchdog --steps 30"
     [overhead_meet]="--meet --steps 60" [overhead_rank_agreement]="--rank-agreement --dtypes fp32 bf16 --steps 60"
-    [memory_breakdown]="--repeat 3 --at-peak" [growth]="--upstream"
+    [memory_breakdown]="--repeat 5 --at-peak" [growth]="--upstream"
     [overhead_overflow_by_norm]="--overflow-by-norm --dtypes fp32 bf16 --steps 60"
     [overhead_bucket_size]="--bucket-size --dtypes fp32 bf16" [overhead_lazy_grads]="--lazy-grads --dtypes fp32 bf16"
     [overhead_cast_on_gather]="--cast-on-gather --dtypes bf16 --steps 40" [overhead_block_sizes]="--block-sizes --steps 40"
