@@ -404,9 +404,9 @@ class Report:
         return " ".join(filter(None, said))
 
     def rss_gap(self, mem, ours):
-        """The sentence on peak RSS at default settings where it is above FSDP2's in some run ("" otherwise, or
-        for results from before each run's RSS was kept)."""
-        rows = [r for r in ours if r.get("rss_ratio_runs")]
+        """The sentence on peak RSS at default settings where it is above FSDP2's in some run ("" otherwise, for
+        results from before each run's RSS was kept, and on a GPU, where that field is the allocator's peak)."""
+        rows = [r for r in ours if r.get("rss_ratio_runs") and r.get("device") == "cpu"]
         if not rows or max(max(r["rss_ratio_runs"]) for r in rows) <= 1.0:
             return ""
         fsdp = {(f["size"], f["dtype"]): f["peak_rss_runs_mb"] for f in mem["rows"]
