@@ -14,8 +14,8 @@ So a size the config does not set, or sets to ``"auto"``, becomes the size of th
 never more than DeepSpeed's default: the largest element of its ``nn.ModuleList`` containers (a
 Transformers model's decoder layers, a vision tower's blocks) or, where it has none, its largest
 module holding parameters itself. Reduction and all-gather buckets and the prefetch hold one block,
-ZeRO-3's prefetch keeps at most two blocks' parameters gathered (see below) and releases a parameter
-unless it is reused within one block, and, for an optimizer that updates element by element (SGD,
+ZeRO-3 keeps about one block's parameters gathered as it moves through the model (see below) and
+releases a parameter unless it is reused within one block, and, for an optimizer that updates element by element (SGD,
 Adam, AdamW), ZeRO-3 updates in sub-groups of one block's partition, so that its gradient partitions
 are allocated a block at a time during the backward instead of all at once at its first gradient.
 
@@ -30,17 +30,16 @@ width 256 steps slower per block than grouped, by more than a tenth). Whole bloc
 itself, because a bucket is allocated at its full size at the first gradient of the backward,
 when every activation is alive: a block of 3/4 of the floor padded to the floor is a third of a
 block held for nothing, while a block above half the floor already amortizes its collective. The
-live parameters are not a collective: they are two of the model's own blocks, never fewer than the
-grouped size, so that they hold the prefetch bucket and the reuse distance (one grouped size each)
-and a model under the floor stays gathered whole, while a block just under the floor does not keep
-a third block gathered. DeepSpeed's prefetch adds whole parameters while fewer elements than its room
-(``stage3_max_live_parameters`` less what is gathered) are in flight, so it may pass the limit by all
-but one element of a parameter: where a forward leaves a block partly released, the room at the
-backward's start is a few of its parameters and the prefetch takes the next block's largest weight
-beside them. The limit is therefore two blocks less all but one element of the block's largest
-parameter: the prefetch then never holds more than two blocks, and with one block gathered it still
-takes the next at once but for fewer elements than that parameter (those as soon as the running block
-releases anything), or the whole next block where it is one parameter. A bucket's size is rounded up
+live parameters are not a collective: they are one of the model's own blocks, never fewer than the
+grouped size (so a model under the floor stays gathered whole). DeepSpeed's prefetch is a window that
+slides by module: at each module's fetch it adds the next parameters of the trace, whole, while fewer
+elements than its room (``stage3_max_live_parameters`` less what is gathered or in flight) are in
+flight, and each module's release makes room. With one block of room, the next block's first parameter
+is gathered as soon as the running block releases its first piece (a module holding parameters
+itself), so every parameter is gathered about one block's compute before its use, as FSDP2's
+prefetch of the next block gathers it, while at most a block and a parameter are held, not two
+blocks. A block of one piece is released all at once, so for it the room is one element more: the
+next block's first parameter is then gathered beside it. A bucket's size is rounded up
 to an even count: ZeRO-1/2 asserts that of its all-gather bucket, and an odd block is common in a
 small model. A value the config sets is always kept (Transformers' and Accelerate's fill of ``"auto"``
 from ``hidden_size`` arrives as a value and is kept too).
@@ -73,7 +72,7 @@ logger = logging.getLogger(__name__)
 # config file spells it with (its alias) are DeepSpeed's own (_field), so "never above DeepSpeed's
 # default" follows a DeepSpeed that changes them.
 _ZERO12 = {"reduce_bucket_size": 1, "allgather_bucket_size": 1}
-_ZERO3 = {"reduce_bucket_size": 1, "prefetch_bucket_size": 1, "max_live_parameters": 2, "max_reuse_distance": 1}
+_ZERO3 = {"reduce_bucket_size": 1, "prefetch_bucket_size": 1, "max_live_parameters": 1, "max_reuse_distance": 1}
 # Names DeepSpeed reads outside the config model: get_zero_config copies "allgather_size" into
 # allgather_bucket_size.
 _LEGACY = {"allgather_bucket_size": ("allgather_size", )}
@@ -125,17 +124,19 @@ def block_elements(model: torch.nn.Module) -> int:
     return _block_sizes(model)[0]
 
 
-def largest_block_parameter(model: torch.nn.Module) -> int:
-    """Elements of the largest parameter of the model's block, 0 for a model without parameters."""
+def block_pieces(model: torch.nn.Module) -> int:
+    """How many modules of the model's block hold parameters themselves: the pieces ZeRO-3 fetches and
+    releases one at a time (see the Note); 0 for a model without parameters."""
     return _block_sizes(model)[1]
 
 
 def _block_sizes(model: torch.nn.Module):
-    """(elements of the model's block, of its largest parameter); (0, 0) for a model without parameters."""
+    """(elements of the model's block, its pieces); (0, 0) for a model without parameters."""
     block, recurse = _block(model)
     if block is None:
         return 0, 0
-    return elements(block, recurse), max(_numel(p) for p in block.parameters(recurse=recurse))
+    pieces = sum(1 for m in block.modules() if elements(m, recurse=False)) if recurse else 1
+    return elements(block, recurse), pieces
 
 
 def _ranks() -> int:
@@ -159,7 +160,7 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
     stage = int((zero or {}).get("stage", 0))
     if stage == 0 or not isinstance(model, torch.nn.Module) or not switch_on(BLOCK_SIZES):
         return {}
-    own, largest = _block_sizes(model)
+    own, pieces = _block_sizes(model)
     if own <= 0:
         return {}
     floor = int(min_block)
@@ -176,8 +177,8 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
         if _unset(zero, names):
             for name in names:
                 zero.pop(name, None)
-            if field == "max_live_parameters":  # the prefetch's room, which it may pass by a parameter less one element
-                size = max(blocks * own - largest + 1, grouped)
+            if field == "max_live_parameters":  # the prefetch's window: a block, and an element for a one-piece block
+                size = max(blocks * own + (pieces == 1), grouped)
             else:
                 size = max(blocks * own, grouped)
                 size += size % 2  # even: ZeRO-1/2 asserts it of its all-gather bucket

@@ -863,8 +863,8 @@ def block_sizes_bitwise(stage, clip):
     sized, kept = build(unset), build(written)
     zero = sized._config.zero_config
     want = {"reduce_bucket_size": block}
-    # The live limit: two blocks less all but one element of the block's largest parameter (its 8x8 weight).
-    want.update({"prefetch_bucket_size": block, "max_live_parameters": 2 * block - (8 * 8 - 1), "max_reuse_distance": block,
+    # The live limit: a block and one element, the block being one piece (its Linear).
+    want.update({"prefetch_bucket_size": block, "max_live_parameters": block + 1, "max_reuse_distance": block,
                  "sub_group_size": -(-block // world)} if stage == 3 else {"allgather_bucket_size": block})
     got = {k: getattr(zero, k) for k in want}
     assert got == want, f"ZeRO-{stage}: sizes from the block {got}, want {want}"

@@ -16,8 +16,7 @@ class Tower(nn.Module):
 
 
 BLOCK = 2 * (16 * 32) + 32 + 16
-LARGEST = 16 * 32  # the block's largest parameter (either weight)
-LIVE = 2 * BLOCK - LARGEST + 1  # two blocks less all but one element of the largest parameter
+LIVE = BLOCK  # the block is two pieces (Linears): the prefetch's window is one block
 
 
 def _fill(stage, optimizer=None, **zero):
@@ -109,16 +108,25 @@ def test_blocks_below_the_floor_are_grouped_whole(floor):
 
 
 @pytest.mark.parametrize("floor", [BLOCK // 3, BLOCK, BLOCK + 1, 3 * BLOCK // 2, 2 * BLOCK, 5 * BLOCK])
-def test_live_parameters_are_two_own_blocks_never_below_the_grouped_size(floor):
-    """The live parameters hold the prefetch bucket and the reuse distance (one grouped size each) and
-    two of the model's own blocks, less all but one element of the block's largest parameter (the most
-    DeepSpeed's prefetch may pass its room by): a block just under the floor does not keep a third block
-    gathered, and the prefetch never takes one past two."""
+def test_live_parameters_are_one_own_block_never_below_the_grouped_size(floor):
+    """DeepSpeed's prefetch slides by module, so one block of live parameters already gathers the next
+    block's pieces as the running block releases its own: the live parameters are one of the model's
+    own blocks, or the grouped size where that is larger (the prefetch bucket and the reuse distance)."""
     filled = block_sizes.fill({"zero_optimization": {"stage": 3}}, Tower(), None, min_block=floor)
     one = BLOCK * max(1, floor // BLOCK)  # the Tower is larger than each floor here
     assert MODEL > floor and filled["stage3_prefetch_bucket_size"] == filled["stage3_max_reuse_distance"] == one
     assert filled["stage3_max_live_parameters"] == max(LIVE, one) >= one
-    assert block_sizes.largest_block_parameter(Tower()) == LARGEST
+    assert block_sizes.block_pieces(Tower()) == 2
+
+
+def test_a_block_of_one_piece_gets_an_element_more_so_the_next_is_prefetched_beside_it():
+    """A block that is one module is released all at once: with exactly its size as the window nothing of
+    the next block would be gathered before it is needed. A model without a ModuleList has one piece."""
+    one_piece = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    assert block_sizes.block_pieces(one_piece) == 1 and block_sizes.block_pieces(nn.Linear(4, 4)) == 1
+    assert block_sizes.block_pieces(nn.ReLU()) == 0
+    filled = block_sizes.fill({"zero_optimization": {"stage": 3}}, one_piece, None, min_block=0)
+    assert filled["stage3_max_live_parameters"] == 8 * 8 + 8 + 1 and filled["stage3_prefetch_bucket_size"] == 8 * 8 + 8
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -132,7 +140,7 @@ def test_sizes_are_even_for_an_odd_block(stage, floor):
     live = filled.pop("stage3_max_live_parameters", None)
     grouped = floor if floor >= 130 else 25 * max(1, floor // 25)
     assert set(filled.values()) <= {grouped + grouped % 2} and all(v % 2 == 0 for v in filled.values()), filled
-    assert live == (max(2 * 25 - 25 + 1, grouped) if stage == 3 else None)  # one parameter: one block and an element
+    assert live == (max(25 + 1, grouped) if stage == 3 else None)  # one piece: one block and an element
 
 
 def test_the_floor_option_is_checked():
