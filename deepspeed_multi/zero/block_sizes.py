@@ -15,9 +15,10 @@ never more than DeepSpeed's default: the largest element of its ``nn.ModuleList`
 Transformers model's decoder layers, a vision tower's blocks) or, where it has none, its largest
 module holding parameters itself. Reduction and all-gather buckets and the prefetch hold one block,
 ZeRO-3 keeps about one block's parameters gathered as it moves through the model (see below) and
-releases a parameter unless it is reused within one block, and, for an optimizer that updates element by element (SGD,
-Adam, AdamW), ZeRO-3 updates in sub-groups of one block's partition, so that its gradient partitions
-are allocated a block at a time during the backward instead of all at once at its first gradient.
+releases a parameter unless it is reused within one block, and, for an optimizer that updates element
+by element (SGD, Adam, AdamW), ZeRO-3 updates in sub-groups of one block's partition, so that its
+gradient partitions are allocated a block at a time during the backward instead of all at once at its
+first gradient.
 
 Blocks smaller than ``min_block_elements`` (an option under ``"deepspeed_multi"``, 4,194,304
 elements by default: 16 MiB in fp32) are grouped: a size counts as many whole blocks as fit in that
