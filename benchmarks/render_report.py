@@ -331,16 +331,12 @@ class Report:
         buckets = ["parameters", "fp32 master", "gradients", "buckets", "optimizer states"]
         rows = []
         for r in data["rows"]:
-            fsdp = next((f for f in data["rows"] if f["variant"] == "FSDP2" and f["size"] == r["size"]
-                         and f["dtype"] == r["dtype"]), None)
+            fsdp = _beside(data, "FSDP2", r)
             by = r["by_buffer_mb"]
             ratio = "-"
             if fsdp is not None and r is not fsdp:
-                runs = r.get("live_ratio_runs") if peak_key == "peak_live_mb" else None
-                ratio = self.fig(r[peak_key] / fsdp[peak_key], ".2f")
-                if runs:
-                    ratio = (f"{self.fig(r['live_ratio'], '.2f')} ({self.fig(min(runs), '.2f')}-"
-                             f"{self.fig(max(runs), '.2f')})")
+                ratio = (self.ratio_runs(r, "live") if peak_key == "peak_live_mb" and r.get("live_ratio_runs")
+                         else self.fig(r[peak_key] / fsdp[peak_key], ".2f"))
             rows.append([r["size"], r["dtype"], r["variant"]] + [self.fig(by.get(b, 0.0), ".1f") for b in buckets] + [
                 self.fig(r["activations_mb"], ".1f"), self.fig(r[peak_key], ".1f"), r["peak_phase"], ratio])
         self.table(["size", "dtype", "variant"] + buckets + ["activations", "peak", "peak phase", "peak / FSDP2"], rows)
@@ -370,17 +366,13 @@ class Report:
         """The open-gap bullet on memory at default settings: where the peak of live tensors and peak RSS are above
         FSDP2's ("" where neither is)."""
         ours = [r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"]
-
-        def beside(variant, r):
-            return next((x for x in mem["rows"] if x["variant"] == variant and (x["size"], x["dtype"]) == (r["size"], r["dtype"])),
-                        None)
         above = [r for r in ours if r["live_ratio"] > 1.0]
         said = []
         if above:
             said.append("At default settings the peak of live tensors is above FSDP2's: " + ", ".join(
                 f"{r['size']} {r['dtype']} {self.fig(r['live_ratio'], '.2f')}x" for r in above) + ".")
             worst = max(above, key=lambda r: r["live_ratio"])
-            per_block = beside("ours, per block, no floor", worst)
+            per_block = _beside(mem, "ours, per block, no floor", worst)
             floor = self.load("overhead_block_floor.json")
             z3 = next((r for r in floor["rows"] if r["stage"] == 3 and r["dtype"] == "fp32"), None) if floor else None
             if per_block and z3:
@@ -392,7 +384,7 @@ class Report:
                             f"{self.ratio(z3['raw_ms']['ours'], z3['raw_ms']['upstream'])} at the default (the "
                             "`block-floor` row above): blocks under `min_block_elements` are grouped for the step time.")
             for r in above:
-                fsdp, sharded = beside("FSDP2", r), beside("ours (Z3 + Z3)", r)
+                fsdp, sharded = _beside(mem, "FSDP2", r), _beside(mem, "ours (Z3 + Z3)", r)
                 if fsdp and sharded and r.get("step_growth_mb", 1e9) <= fsdp.get("step_growth_mb", 0):
                     said.append(f"At {r['size']} ours' step adds less than FSDP2's ({self.fig(r['step_growth_mb'], '.1f')} "
                                 f"against {self.fig(fsdp['step_growth_mb'], '.1f')} MiB) on more held at its start "
@@ -794,6 +786,12 @@ CLAIMS = ["Single-engine overhead against upstream", "Many small parameters: the
           "One model in parts: against whole-model ZeRO-3 and FSDP2", "Distillation", "RLHF step",
           "TRL DPO: the reference at its own stage", "What one step issues", "Fused ops: CPU and GPU cards",
           "A Llama on one GPU: ours against upstream", "Watchdog and rank-meeting cost", "Limits and open gaps"]
+
+
+def _beside(data, variant, row):
+    """The row of ``variant`` at ``row``'s size and dtype in a memory_breakdown result, None if it has none."""
+    return next((x for x in data["rows"] if x["variant"] == variant
+                 and (x["size"], x["dtype"]) == (row["size"], row["dtype"])), None)
 
 
 def update_readme(path: Path, table: str) -> None:
