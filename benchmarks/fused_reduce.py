@@ -276,7 +276,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     import _bench
     meta = {**_bench.meta(), "threads": torch.get_num_threads(), "dtype": args.dtype,
-            "world_size": args.world_size, "quick": args.quick, "device": where}
+            "world_size": args.world_size, "quick": args.quick, "device": where if DEVICE.type == "cuda" else "cpu"}
     scatter = bench_scatter_input(ext, dtype, args.world_size, args.quick)
     (RESULTS / "fused_reduce.json").write_text(json.dumps({"meta": meta, "rows": rows, "scatter_input": scatter},
                                                           indent=1) + "\n")

@@ -1,9 +1,11 @@
 """Encoder -> LLM, both trained under one loss: deepspeed_multi against what people pick instead.
 
-Per size, three variants are built side by side in the same 2 ranks and stepped interleaved:
+Per size, four variants are built side by side in the same 2 ranks and stepped interleaved:
 
 * ours:          encoder = ``deepspeed_multi`` ZeRO-2 engine, LLM = ``deepspeed_multi`` ZeRO-3
                  engine; ``loss.backward()``, ``step()`` on each;
+* ours per block: the same with ``min_block_elements: 0``: sizes from one block however small
+                 (FSDP2's granularity), what a small model's memory at FSDP2's level costs in time;
 * super-module:  encoder and LLM in one ``nn.Module``, one upstream ``deepspeed.initialize``
                  engine at ZeRO-3; ``engine.backward(loss)``, ``engine.step()`` (the workaround);
 * FSDP2:         PyTorch's ``fully_shard`` on every transformer block and on each model's root
@@ -13,8 +15,8 @@ Every variant trains the same weights with ``torch.optim.AdamW(lr=1e-4)`` in fp3
 batches. Step time: median over the timed steps, and the paired per-step ratio against each
 baseline. Peak memory per rank: each variant alone in fresh processes (see _bench's Note).
 
-Prints a table and ``RESULT peers_vs_fsdp2_<size>=<ours/FSDP2 time> peers_vs_supermodule_<size>=..``
-(< 1: ours is faster); writes benchmarks/results/peers.json and .png.
+Prints a table and ``RESULT peers_vs_fsdp2_<size>=<ours/FSDP2 time> peers_vs_supermodule_<size>=..
+peers_per_block_vs_fsdp2_<size>=..`` (< 1: ours is faster); writes benchmarks/results/peers.json and .png.
 
 Usage: python benchmarks/peers.py [--steps 10] [--warmup 3] [--no-memory] [--sizes small large]
 """
@@ -40,6 +42,8 @@ _DEEPSPEED_DEFAULTS = {2: dict(reduce_bucket_size=5 * 10**8, allgather_bucket_si
 # Ours with the block's sizes however small the block (option min_block_elements 0): FSDP2's per-block
 # granularity, at the cost of more collectives.
 PER_BLOCK = "ours, per block, no floor"
+# What this script times: ours at the default and per block beside the others.
+TIMED = [VARIANTS[0], PER_BLOCK, *VARIANTS[1:]]
 # The encoder at ZeRO-3 too: the sharding FSDP2 applies to both models. ZeRO-2 keeps a whole copy of
 # the encoder's parameters on every rank; this variant shows what that costs.
 BOTH_ZERO3 = "ours (Z3 + Z3)"
@@ -140,7 +144,7 @@ def timing(sizes, warmup, steps):
     out = {}
     for size in sizes:
         enc, llm = _models(size)
-        t = B.interleave({v: _build(v, size, enc, llm) for v in VARIANTS}, warmup, steps)
+        t = B.interleave({v: _build(v, size, enc, llm) for v in TIMED}, warmup, steps)
         out[size] = {k: v["total"] for k, v in t.items()}
     return out
 
@@ -156,13 +160,13 @@ def main():
     ap.set_defaults(steps=10)
     args = ap.parse_args()
     t = B.launch(timing, args.sizes, args.warmup, args.steps)[0]
-    mem = {} if args.no_memory else {(s, v): B.launch(memory, s, v, 2)[0] for s in args.sizes for v in VARIANTS}
+    mem = {} if args.no_memory else {(s, v): B.launch(memory, s, v, 2)[0] for s in args.sizes for v in TIMED}
     rows, data, result = [], [], []
     for size in args.sizes:
         enc, llm = _models(size)
         params = B.n_params(enc) + B.n_params(llm)
         ours = t[size][VARIANTS[0]]
-        for v in VARIANTS:
+        for v in TIMED:
             rec = {"size": size, "params": params, "variant": v, "ms": B.median(t[size][v]),
                    "iqr_ms": B.iqr(t[size][v]), "raw_ms": t[size][v], "peak_mb": mem.get((size, v)),
                    "ours_time_ratio": B.paired_ratio(ours, t[size][v])}
@@ -175,7 +179,9 @@ def main():
                          "-" if v == VARIANTS[0] or not mem else f"{rec['ours_mem_ratio']:.3f}"])
         by = {r["variant"]: r for r in data if r["size"] == size}
         result.append(f"peers_vs_fsdp2_{size}={by['FSDP2']['ours_time_ratio']:.3f} "
-                      f"peers_vs_supermodule_{size}={by['super-module (Z3)']['ours_time_ratio']:.3f}")
+                      f"peers_vs_supermodule_{size}={by['super-module (Z3)']['ours_time_ratio']:.3f} "
+                      f"peers_per_block_vs_fsdp2_{size}="
+                      f"{B.paired_ratio(t[size][PER_BLOCK], t[size]['FSDP2']):.3f}")
     table = B.fmt_table(["size (params)", "variant", "ms/step (IQR)", "ours / this (time, paired)", "peak MiB/rank",
                          "ours / this (memory)"], rows)
     print(f"\nEncoder ({ENC_LAYERS} block) -> LLM, both trained, one loss, AdamW fp32, micro-batch {MICRO_BS}x{SEQ}, "
@@ -185,7 +191,7 @@ def main():
     result = "RESULT " + " ".join(result)
 
     def plot(plt):
-        series = {v: [r["ms"] for r in data if r["variant"] == v] for v in VARIANTS}
+        series = {v: [r["ms"] for r in data if r["variant"] == v] for v in TIMED}
         return B.bar_plot(plt, "Encoder -> LLM, both trained, one loss", args.sizes, series, "ms / step (median)")
 
     B.save("peers", {"meta": B.meta(steps=args.steps, warmup=args.warmup), "rows": data, "table": table,

@@ -111,7 +111,7 @@ class Report:
 
     def machine(self, data, rel: str) -> str:
         m = data.get("meta", {}) if data else {}
-        where = m.get("gpu") or (m.get("device") if m.get("device") not in (None, "cpu") else None) or "no GPU"
+        where = _gpu(m) or "no GPU"
         cpu = m.get("cpu") or "CPU model unknown"
         cores = self.fig(m.get("cpus"), "d") + " cores" if m.get("cpus") else "cores unknown"
         ds = self.fig(m.get("deepspeed")) if m.get("deepspeed") else "unknown"
@@ -297,7 +297,7 @@ class Report:
             rows = []
             for size in dict.fromkeys(r["size"] for r in data["rows"]):
                 group = [r for r in data["rows"] if r["size"] == size]
-                ours = next(r for r in group if r["variant"].startswith("ours"))
+                ours = next(r for r in group if r["variant"] == "ours (Z2 + Z3)")
                 for r in group:
                     rows.append([size, self.fig(r["params"], ",d"), r["variant"], self.fig(r["ms"], ".1f"),
                                  "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]),
@@ -378,22 +378,38 @@ class Report:
             if per_block and z3:
                 m = floor["meta"]
                 said.append(f"Per block (`min_block_elements: 0`, FSDP2's granularity) the {worst['size']} one is "
-                            f"{self.fig(per_block['live_ratio'], '.2f')}x, and a single ZeRO-3 engine per block over "
+                            f"{self.fig(per_block['live_ratio'], '.2f')}x{self.per_block_time(worst['size'])}, and a "
+                            "single ZeRO-3 engine per block over "
                             f"{self.fig(m['layers'], 'd')} blocks of width {self.fig(m['dim'], 'd')} steps "
                             f"{self.ratio(z3['raw_ms']['ours_off'], z3['raw_ms']['upstream'])} of upstream against "
                             f"{self.ratio(z3['raw_ms']['ours'], z3['raw_ms']['upstream'])} at the default (the "
                             "`block-floor` row above): blocks under `min_block_elements` are grouped for the step time.")
-            for r in above:
-                fsdp, sharded = _beside(mem, "FSDP2", r), _beside(mem, "ours (Z3 + Z3)", r)
-                if fsdp and sharded and r.get("step_growth_mb", 1e9) <= fsdp.get("step_growth_mb", 0):
-                    said.append(f"At {r['size']} ours' step adds less than FSDP2's ({self.fig(r['step_growth_mb'], '.1f')} "
-                                f"against {self.fig(fsdp['step_growth_mb'], '.1f')} MiB) on more held at its start "
-                                f"({self.fig(r['live_at_step_start_mb'], '.1f')} against "
-                                f"{self.fig(fsdp['live_at_step_start_mb'], '.1f')}): the ZeRO-2 encoder's whole "
-                                f"parameters, which FSDP2 shards (with the encoder at ZeRO-3 too, "
-                                f"{self.fig(sharded['live_ratio'], '.2f')}x).")
+            for r in above:  # the default, else its per-block row: the first whose step adds no more than FSDP2's
+                fsdp = _beside(mem, "FSDP2", r)
+                for how, row, sharded in (("ours'", r, _beside(mem, "ours (Z3 + Z3)", r)),
+                                          ("ours' per-block", _beside(mem, "ours, per block, no floor", r),
+                                           _beside(mem, "ours (Z3 + Z3), per block", r))):
+                    if fsdp and row and sharded and row.get("step_growth_mb", 1e9) <= fsdp.get("step_growth_mb", 0):
+                        said.append(f"At {r['size']} {how} step adds less than FSDP2's "
+                                    f"({self.fig(row['step_growth_mb'], '.1f')} against "
+                                    f"{self.fig(fsdp['step_growth_mb'], '.1f')} MiB) on more held at its start "
+                                    f"({self.fig(row['live_at_step_start_mb'], '.1f')} against "
+                                    f"{self.fig(fsdp['live_at_step_start_mb'], '.1f')}): the ZeRO-2 encoder's whole "
+                                    f"parameters, which FSDP2 shards (with the encoder at ZeRO-3 too, "
+                                    f"{self.fig(sharded['live_ratio'], '.2f')}x).")
+                        break
         said.append(self.rss_gap(mem, ours))
         return " ".join(filter(None, said))
+
+    def per_block_time(self, size):
+        """", and the same program per block steps X of FSDP2's time against Y at the default (peers.py)", or ""
+        where peers.json has no per-block row at ``size``."""
+        rows = {r["variant"]: r for r in (self.load("peers.json") or {"rows": []})["rows"] if r["size"] == size}
+        per_block, ours, fsdp = (rows.get(v) for v in ("ours, per block, no floor", "ours (Z2 + Z3)", "FSDP2"))
+        if not (per_block and ours and fsdp):
+            return ""
+        return (f" while the same program then steps {self.ratio(per_block['raw_ms'], fsdp['raw_ms'])} of FSDP2's time "
+                f"against {self.ratio(ours['raw_ms'], fsdp['raw_ms'])} at the default (`peers.py`)")
 
     def rss_gap(self, mem, ours):
         """The sentence on peak RSS at default settings where it is above FSDP2's in some run ("" otherwise, for
@@ -736,19 +752,24 @@ class Report:
                          f"in bf16 against {self.fig(mm['fp32'], '.1f')} ms in fp32), so a bf16 step here would time "
                          "PyTorch's fallback loop rather than the engines: this run left bf16 out (`BENCH_BF16=1` keeps "
                          "it). The GPU sections hold the bf16 figures.", "")
-        self.out("Every result file this report read, with the machine line it holds:", "")
-        rows = []
+        self.out("Every result file this report read, by the machine line it holds:", "")
+        machines = {}  # machine line -> (files, dates), in the order first seen
         files = sorted(self.results.glob("*.json")) + [f for card in self.cards()
                                                        for f in sorted((self.results / card).glob("*.json"))]
         for path in files:
-            rel = str(path.relative_to(self.results))
             m = json.loads(path.read_text()).get("meta", {})
-            gpu = m.get("gpu") or (m.get("device") if m.get("device") not in (None, "cpu") else None)
-            rows.append([f"`{rel}`", self.fig(m.get("cpu") or "unknown"),
-                         self.fig(m.get("cpus"), "d") if m.get("cpus") else "unknown", self.fig(gpu or "-"), self.fig(m.get("torch")),
-                         self.fig(m.get("deepspeed")) if m.get("deepspeed") else "unknown",
-                         self.fig(m.get("time")) if m.get("time") else "unknown"])
-        self.table(["file", "CPU", "cores", "GPU", "torch", "DeepSpeed", "date"], rows)
+            line = (self.fig(m.get("cpu") or "unknown"), self.fig(m.get("cpus"), "d") if m.get("cpus") else "unknown",
+                    self.fig(_gpu(m) or "-"), self.fig(m.get("torch")),
+                    self.fig(m.get("deepspeed")) if m.get("deepspeed") else "unknown")
+            names, dates = machines.setdefault(line, ([], []))
+            names.append(f"`{path.relative_to(self.results)}`")
+            dates.append(self.fig(m.get("time")) if m.get("time") else "unknown")
+        rows = []
+        for line, (names, dates) in machines.items():
+            known = sorted(d for d in dates if d != "unknown")
+            span = (known[0] if known[0] == known[-1] else f"{known[0]} to {known[-1]}") if known else "unknown"
+            rows.append([", ".join(names), *line, span + (", unknown" if known and len(known) < len(dates) else "")])
+        self.table(["files", "CPU", "cores", "GPU", "torch", "DeepSpeed", "dates"], rows)
 
     def render(self) -> str:
         self.section = "How to read this"
@@ -786,6 +807,15 @@ CLAIMS = ["Single-engine overhead against upstream", "Many small parameters: the
           "One model in parts: against whole-model ZeRO-3 and FSDP2", "Distillation", "RLHF step",
           "TRL DPO: the reference at its own stage", "What one step issues", "Fused ops: CPU and GPU cards",
           "A Llama on one GPU: ours against upstream", "Watchdog and rank-meeting cost", "Limits and open gaps"]
+
+
+def _gpu(meta):
+    """The GPU a result's machine line names, None for a CPU run (a ``device`` is a GPU's name only where the
+    line does not say ``gpu: false``)."""
+    if meta.get("gpu"):
+        return meta["gpu"]
+    device = meta.get("device")
+    return device if meta.get("gpu") is None and device not in (None, "cpu") else None
 
 
 def _beside(data, variant, row):

@@ -196,3 +196,47 @@ def test_the_memory_gap_gives_each_runs_range_and_goes_where_ours_is_not_above(t
         r["live_ratio"], r["rss_ratio_runs"], r["rss_ratio"] = 1.0, [0.9, 1.0], 0.95
     (tmp_path / "memory_breakdown.json").write_text(json.dumps(data))
     assert _gap_line(tmp_path) == ""
+
+
+def test_the_memory_gap_sets_the_per_block_memory_beside_its_step_time(tmp_path):
+    """Where ours is above FSDP2's at default settings, the gap line gives the per-block setting's memory beside
+    the same program's step time per block and at the default (both paired against FSDP2 in peers.json), and, where
+    the per-block step adds no more than FSDP2's, what it holds more at the start; without peers.json's per-block
+    row it gives no time of that program."""
+    import shutil
+    import statistics
+    for name in ("overhead_block_floor.json", "peers.json"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+    mem = json.loads((RESULTS / "memory_breakdown.json").read_text())
+    size = "small"  # made the one furthest above FSDP2's, whatever the committed run measured
+    for r in mem["rows"]:
+        if r["variant"] == "ours (Z2 + Z3)":
+            r["live_ratio"] = max(r["live_ratio"], 2.0) if r["size"] == size else min(r["live_ratio"], 1.0)
+    (tmp_path / "memory_breakdown.json").write_text(json.dumps(mem))
+    rows = {r["variant"]: r for r in json.loads((RESULTS / "peers.json").read_text())["rows"] if r["size"] == size}
+    assert "ours, per block, no floor" in rows, "peers.py times the per-block setting"
+    fsdp = rows["FSDP2"]["raw_ms"]
+    line = _gap_line(tmp_path)
+    for variant, said in (("ours, per block, no floor", "then steps"), ("ours (Z2 + Z3)", "against")):
+        ratio = statistics.median(a / b for a, b in zip(rows[variant]["raw_ms"], fsdp))
+        assert f"{said} {ratio:.3f} (" in line, (variant, line)
+    per_block = next(r for r in mem["rows"] if r["variant"] == "ours, per block, no floor" and r["size"] == size
+                     and r["dtype"] == "fp32")
+    fsdp_mem = next(r for r in mem["rows"] if r["variant"] == "FSDP2" and r["size"] == size and r["dtype"] == "fp32")
+    if per_block["step_growth_mb"] <= fsdp_mem["step_growth_mb"]:
+        assert f"At {size} ours' per-block step adds less than FSDP2's ({per_block['step_growth_mb']:.1f}" in line, line
+    (tmp_path / "peers.json").unlink()
+    assert "the same program" not in _gap_line(tmp_path)
+
+
+def test_the_files_table_lists_every_file_once_under_its_machine(report):
+    """Files with the same machine line share a row with their dates' span; a CPU run's ``device`` (the processor,
+    in fused_reduce.py's older results) is no GPU, and a GPU result's ``device`` names its card."""
+    _, text = report
+    body = sections(text)["Machines and files"]
+    files = [p.relative_to(RESULTS) for p in sorted(RESULTS.rglob("*.json")) if "quick" not in p.parts]
+    for rel in files:
+        assert body.count(f"`{rel}`") == 1, rel
+    assert R._gpu({"gpu": False, "device": "x86_64"}) is None
+    assert R._gpu({"device": "NVIDIA H200"}) == "NVIDIA H200" and R._gpu({"gpu": "NVIDIA H100"}) == "NVIDIA H100"
+    assert R._gpu({"device": "cpu"}) is None
