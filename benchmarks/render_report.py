@@ -402,8 +402,8 @@ class Report:
         return " ".join(filter(None, said))
 
     def per_block_time(self, size):
-        """", and the same program per block steps X of FSDP2's time against Y at the default (peers.py)", or ""
-        where peers.json has no per-block row at ``size``."""
+        """" while the same program then steps X of FSDP2's time against Y at the default (`peers.py`)": peers.json's
+        paired ratios at ``size`` per block and at the default; "" where it has no per-block row there."""
         rows = {r["variant"]: r for r in (self.load("peers.json") or {"rows": []})["rows"] if r["size"] == size}
         per_block, ours, fsdp = (rows.get(v) for v in ("ours, per block, no floor", "ours (Z2 + Z3)", "FSDP2"))
         if not (per_block and ours and fsdp):
