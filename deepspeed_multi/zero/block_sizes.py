@@ -69,11 +69,11 @@ from ..switches import BLOCK_SIZES, switch_on
 
 logger = logging.getLogger(__name__)
 
-# DeepSpeedZeroConfig field -> blocks it is sized to, by stage. Each field's default and the name a
+# The DeepSpeedZeroConfig fields sized to one block, by stage. Each field's default and the name a
 # config file spells it with (its alias) are DeepSpeed's own (_field), so "never above DeepSpeed's
 # default" follows a DeepSpeed that changes them.
-_ZERO12 = {"reduce_bucket_size": 1, "allgather_bucket_size": 1}
-_ZERO3 = {"reduce_bucket_size": 1, "prefetch_bucket_size": 1, "max_live_parameters": 1, "max_reuse_distance": 1}
+_ZERO12 = ("reduce_bucket_size", "allgather_bucket_size")
+_ZERO3 = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance")
 # Names DeepSpeed reads outside the config model: get_zero_config copies "allgather_size" into
 # allgather_bucket_size.
 _LEGACY = {"allgather_bucket_size": ("allgather_size", )}
@@ -170,7 +170,7 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
     else:
         grouped = own * max(1, floor // own)  # whole blocks: as many as fit in the floor, at least one
     filled = {}
-    for field, blocks in (_ZERO3 if stage == 3 else _ZERO12).items():
+    for field in _ZERO3 if stage == 3 else _ZERO12:
         found = _field(field)
         if found is None:
             continue
@@ -179,9 +179,9 @@ def fill(config: dict, model, optimizer=None, min_block=0) -> dict:
             for name in names:
                 zero.pop(name, None)
             if field == "max_live_parameters":  # the prefetch's window: a block, and an element for a one-piece block
-                size = max(blocks * own + (pieces == 1), grouped)
+                size = max(own + (pieces == 1), grouped)
             else:
-                size = max(blocks * own, grouped)
+                size = max(own, grouped)
                 size += size % 2  # even: ZeRO-1/2 asserts it of its all-gather bucket
             zero[key] = filled[key] = min(default, size)
     found = _field("sub_group_size") if stage == 3 else None
