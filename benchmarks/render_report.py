@@ -24,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 README_BEGIN = "<!-- performance table: written by benchmarks/render_report.py -->"
 README_END = "<!-- end of performance table -->"
+# peers.py's variant names (not imported: peers.py imports torch, this renders without it)
+OURS, PER_BLOCK = "ours (Z2 + Z3)", "ours, per block, no floor"
 # A number as the report prints it; the test scans the report with the same pattern.
 # Not a digit of a name: ZeRO-3, bf16, x86_64, Z2+Z3, trl#1730; but the upper end of a range (0.96-1.10) is one.
 NUMBER = re.compile(r"(?<![\w.+/#])(?<![A-Za-z_]-)\d+(?:[.,]\d+)*")
@@ -297,7 +299,7 @@ class Report:
             rows = []
             for size in dict.fromkeys(r["size"] for r in data["rows"]):
                 group = [r for r in data["rows"] if r["size"] == size]
-                ours = next(r for r in group if r["variant"] == "ours (Z2 + Z3)")
+                ours = next(r for r in group if r["variant"] == OURS)
                 for r in group:
                     rows.append([size, self.fig(r["params"], ",d"), r["variant"], self.fig(r["ms"], ".1f"),
                                  "-" if r is ours else self.ratio(ours["raw_ms"], r["raw_ms"]),
@@ -315,7 +317,7 @@ class Report:
                      "(median over repeats, with their range):", "")
             self.memory_table(mem, "peak_live_mb")
             self.rss_table(mem)
-            ours = [r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"]
+            ours = [r for r in mem["rows"] if r["variant"] == OURS]
             self.headline("peak live tensors, encoder -> LLM, default settings", "PyTorch FSDP2",
                           ", ".join(f"{r['size']} {r['dtype']} {self.fig(r['live_ratio'], '.2f')}" for r in ours))
             self.plot("memory_breakdown.png")
@@ -365,14 +367,14 @@ class Report:
     def memory_gap(self, mem):
         """The open-gap bullet on memory at default settings: where the peak of live tensors and peak RSS are above
         FSDP2's ("" where neither is)."""
-        ours = [r for r in mem["rows"] if r["variant"] == "ours (Z2 + Z3)"]
+        ours = [r for r in mem["rows"] if r["variant"] == OURS]
         above = [r for r in ours if r["live_ratio"] > 1.0]
         said = []
         if above:
             said.append("At default settings the peak of live tensors is above FSDP2's: " + ", ".join(
                 f"{r['size']} {r['dtype']} {self.fig(r['live_ratio'], '.2f')}x" for r in above) + ".")
             worst = max(above, key=lambda r: r["live_ratio"])
-            per_block = _beside(mem, "ours, per block, no floor", worst)
+            per_block = _beside(mem, PER_BLOCK, worst)
             floor = self.load("overhead_block_floor.json")
             z3 = next((r for r in floor["rows"] if r["stage"] == 3 and r["dtype"] == "fp32"), None) if floor else None
             if per_block and z3:
@@ -387,7 +389,7 @@ class Report:
             for r in above:  # the default, else its per-block row: the first whose step adds no more than FSDP2's
                 fsdp = _beside(mem, "FSDP2", r)
                 for how, row, sharded in (("ours'", r, _beside(mem, "ours (Z3 + Z3)", r)),
-                                          ("ours' per-block", _beside(mem, "ours, per block, no floor", r),
+                                          ("ours' per-block", _beside(mem, PER_BLOCK, r),
                                            _beside(mem, "ours (Z3 + Z3), per block", r))):
                     if fsdp and row and sharded and row.get("step_growth_mb", 1e9) <= fsdp.get("step_growth_mb", 0):
                         said.append(f"At {r['size']} {how} step adds less than FSDP2's "
@@ -405,7 +407,7 @@ class Report:
         """" while the same program then steps X of FSDP2's time against Y at the default (`peers.py`)": peers.json's
         paired ratios at ``size`` per block and at the default; "" where it has no per-block row there."""
         rows = {r["variant"]: r for r in (self.load("peers.json") or {"rows": []})["rows"] if r["size"] == size}
-        per_block, ours, fsdp = (rows.get(v) for v in ("ours, per block, no floor", "ours (Z2 + Z3)", "FSDP2"))
+        per_block, ours, fsdp = (rows.get(v) for v in (PER_BLOCK, OURS, "FSDP2"))
         if not (per_block and ours and fsdp):
             return ""
         return (f" while the same program then steps {self.ratio(per_block['raw_ms'], fsdp['raw_ms'])} of FSDP2's time "
