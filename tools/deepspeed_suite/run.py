@@ -5,7 +5,7 @@
 DeepSpeed's tests are the widest catalogue of code written against ``deepspeed.initialize``; this
 runs them from the given checkout (nothing of them lives in this repository) twice: once as they
 are ("upstream") and once with ``deepspeed.initialize`` replaced by ``deepspeed_multi.initialize``
-in every test process ("ours", through sitecustomize.py next to this file). It prints each test's
+in every test process ("ours", through tools/drop_in/sitecustomize.py). It prints each test's
 outcome on both sides, the counts, the engine classes each side built (read from a log every
 engine-building process appends to), and the tests that pass upstream but not with ours.
 
@@ -25,6 +25,9 @@ import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+DROP_IN = os.path.join(REPO, "tools", "drop_in")
+sys.path.insert(0, DROP_IN)
+from sitecustomize import read_log  # noqa: E402  (the swap hook, read back)
 
 # Under <src>/tests: the ZeRO, half-precision, checkpoint and engine-API tests that run on CPU, by
 # class where a file's full parametrization would take hours on a small CPU box (test_zero.py and
@@ -66,8 +69,8 @@ def run_side(side, args, out):
         if os.path.exists(path):
             os.remove(path)
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(args.local_size), DSM_SUITE_SIDE=side, DSM_SUITE_LOG=log)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, args.pytest_packages, REPO, env.get("PYTHONPATH")] if p)
+    env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(args.local_size), DSM_DROP_IN_SIDE=side, DSM_DROP_IN_LOG=log)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [DROP_IN, HERE, args.pytest_packages, REPO, env.get("PYTHONPATH")] if p)
     tests_dir = os.path.join(args.deepspeed_src, "tests")
     env["DSM_SUITE_SELECT"] = "\n".join(args.tests)
     files = list(dict.fromkeys(t.split("::")[0] for t in args.tests))
@@ -102,17 +105,6 @@ def outcomes(xml):
     return result
 
 
-def engines(log):
-    built = collections.Counter()
-    if os.path.exists(log):
-        with open(log) as f:
-            for line in f:
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) == 4:
-                    built[parts[1]] += 1
-    return built
-
-
 def report(out):
     up, ours = outcomes(os.path.join(out, "upstream.xml")), outcomes(os.path.join(out, "ours.xml"))
     tests = sorted(set(up) | set(ours))
@@ -124,15 +116,17 @@ def report(out):
     ok = True
     for side, res in (("upstream", up), ("ours", ours)):
         counts = collections.Counter(res.values())
-        built = engines(os.path.join(out, f"engines-{side}.log"))
+        log = read_log(os.path.join(out, f"engines-{side}.log"))
+        built = log["engines"]
         print(f"\n{side}: {len(res)} tests: {counts['passed']} passed, {counts['failed'] + counts['error']} failed "
               f"({counts['error']} errors), {counts['skipped']} skipped; engines built: "
               + (", ".join(f"{n} {c}" for c, n in built.most_common()) or "none"))
         if side == "ours":
             others = {c: n for c, n in built.items() if not c.endswith(".MultiEngine")}
-            if others or not built:
+            if others or not built or log["missed"]:
                 ok = False
-                print(f"ours: engines that are not a MultiEngine: {others or 'no engine was built'}")
+                print(f"ours: engines that are not a MultiEngine: {others or 'no engine was built'}; processes that "
+                      f"imported deepspeed without the swap: {len(log['missed'])}")
     lost = [t for t in tests if up.get(t) == "passed" and ours.get(t) != "passed"]
     gained = [t for t in tests if up.get(t) != "passed" and ours.get(t) == "passed"]
     print(f"\npass upstream, not with ours: {len(lost)}")
