@@ -98,6 +98,7 @@ TOUCH_POINTS: Tuple[TouchPoint, ...] = _load_touch_points()
 # The ZeRO-optimizer methods each fast path replaces or relies on, by feature.
 FAST_PATH_METHODS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "stage12_reduce": (_Z12, ("allreduce_and_copy_with_multiple_ranks", "_add_to_grad_partition_buffer")),
+    "stage1_overlap_order": (_Z12, ("reduce_gradients", )),
     "stage12_bucket_pack": (_Z12, ("reduce_independent_p_g_buckets_and_remove_grads", "reduce_ipg_grads")),
     "stage12_grad_view": (_Z12, ("copy_grads_in_partition", "_get_preflattened_grad_partition")),
     "stage12_overflow_view": (_Z12, ("has_overflow_partitioned_grads_serial", "_has_inf_or_nan")),

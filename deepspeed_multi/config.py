@@ -1,12 +1,14 @@
 """Reading a DeepSpeed config the way deepspeed.initialize does, and our own keys."""
 import copy
-from dataclasses import dataclass, fields
+import logging
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from deepspeed.runtime.constants import MANAGED_GRADIENT_ACCUMULATION
 
 from . import compat
 
+logger = logging.getLogger(__name__)
 
 def load_config(config):
     """A fresh dict from a dict or a path (JSON/HJSON, as DeepSpeed accepts)."""
@@ -51,11 +53,7 @@ def prepare_engine_config(config: dict):
     user_managed = config.get(MANAGED_GRADIENT_ACCUMULATION, True) is False
     config[MANAGED_GRADIENT_ACCUMULATION] = False
     stage = zero_stage(config)
-    overlap = config.get("zero_optimization", {}).get("overlap_comm", False)
-    if stage == 1 and overlap:
-        raise ValueError("deepspeed_multi: zero_optimization.overlap_comm=true is not supported with ZeRO stage 1 "
-                         "(DeepSpeed supports it only with managed accumulation). Set overlap_comm to false, or use "
-                         "stage 2, which reduces during backward anyway.")
+    options.zero1_overlap_comm = _drop_overlap_below_stage2(config, stage) and stage == 1
     noncontiguous = config.get("zero_optimization", {}).get("contiguous_gradients") is False
     if stage in (1, 2) and noncontiguous and not compat.noncontiguous_zero12_ok():
         raise ValueError(f"deepspeed_multi: zero_optimization.contiguous_gradients=false at ZeRO stage {stage} gives "
@@ -69,6 +67,27 @@ def prepare_engine_config(config: dict):
                          "gradient accumulation, which 0.19.4 refuses with offload and 0.19.5-0.19.7 get wrong with "
                          "bf16 and fp32 gradient accumulation. Install deepspeed==0.19.8, or remove the offload.")
     return config, user_managed, options
+
+
+def _drop_overlap_below_stage2(config: dict, stage: int) -> bool:
+    """[Note: overlap_comm below ZeRO-2]
+    At ZeRO-0 DeepSpeed ignores ``overlap_comm`` (nothing of its reduction reads it). At ZeRO-1 it
+    only moves the boundary's reduction into the boundary micro-step's backward: each gradient,
+    accumulated over the window, goes into a bucket as its hook fires instead of after the pass, so
+    the same sums of the same gradients are reduced, on a side stream where there is one. With
+    unmanaged accumulation DeepSpeed refuses it below stage 2, because then no backward knows it is
+    the boundary's; a MultiEngine reduces at ``step()``, the one moment it knows. So the key is
+    dropped below stage 2 and the engine keeps upstream's updates (the drop-in rows of
+    tests/multi_gpu/drop_in_checks.py compare them bit for bit), reducing in the order upstream's
+    hooks would (zero/stage1_overlap_order.py); what is lost is the overlap of that one reduction with
+    the last backward. DeepSpeed-Chat and axolotl ship the key at every stage. Returns whether the
+    config asked for it."""
+    zero = config.get("zero_optimization")
+    if stage < 2 and isinstance(zero, dict) and zero.pop("overlap_comm", None):
+        logger.info("deepspeed_multi: zero_optimization.overlap_comm has no effect at ZeRO stage %d here: the "
+                    "reduction runs at the update's step() (see [Note: overlap_comm below ZeRO-2]).", stage)
+        return True
+    return False
 
 
 def _refuse_deepcompile(config: dict) -> None:
@@ -161,11 +180,14 @@ class MultiOptions:
     direct_use_check_updates: int = 1
     agree_before_collectives: Optional[bool] = None
     min_block_elements: int = 1 << 22
+    # Set by prepare_engine_config, not a user option: the config asked for overlap_comm at ZeRO-1, which
+    # DeepSpeed does not see; the update reduces in upstream's order (zero/stage1_overlap_order.py).
+    zero1_overlap_comm: bool = field(default=False, init=False, repr=False)
 
     @classmethod
     def from_config(cls, config: dict) -> "MultiOptions":
         given = config.pop(OPTIONS_KEY, None) or {}
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(given) - known)
         if unknown:
             raise ValueError(f"deepspeed_multi: unknown option(s) {unknown} under config key {OPTIONS_KEY!r}; "

@@ -81,7 +81,7 @@ class MultiEngine(DeepSpeedEngine):
         self._leftovers_task = None
         outside_use.install(self)
         buffers.start_window(self.optimizer)
-        zero.install(self.optimizer, self.options.fused_reduce)  # the fast paths ([Note: the install order])
+        zero.install(self.optimizer, self.options)  # the fast paths ([Note: the install order])
         # The rank-agreement wait goes after the bucket pack, right before the first collective.
         self._agreement_in_pack = stage12_bucket_pack.run_before_reduction(self.optimizer, self._rank_agreement.finish)
         self.skip_group = None

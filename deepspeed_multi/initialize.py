@@ -67,9 +67,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         logger.info("deepspeed_multi: no optimizer given for a ZeRO stage %d config: building an "
                     "inference-only engine at stage 0.", zero_stage(config))
         config["zero_optimization"]["stage"] = 0
-        # Nothing is reduced at stage 0 without an optimizer: a ZeRO-2 config's overlap_comm has nothing
-        # to overlap, and DeepSpeed refuses it with unmanaged accumulation below stage 2 (found by the fuzzer).
-        config["zero_optimization"].pop("overlap_comm", None)
+        config["zero_optimization"].pop("overlap_comm", None)  # [Note: overlap_comm below ZeRO-2]
     if config.get("hybrid_engine", {}).get("enabled", False):
         raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
                                   "(hybrid_engine.enabled=true); disable it in this engine's config.")

@@ -115,11 +115,6 @@ class TrainerAccelerator(Accelerator):
             parts = obj.parts.values() if isinstance(obj, PartedEngine) else [obj]
             for engine in parts:
                 if isinstance(engine, MultiEngine) and engine.has_optimizer:
-                    if engine.zero_optimization_stage() == 0:
-                        raise ValueError(
-                            f"deepspeed_multi.transformers: {engine._engine_name()} is configured at ZeRO stage 0, "
-                            "where DeepSpeed computes no gradient norm, and the Trainer reads one at every update "
-                            "(grad_norm, clipping). Use ZeRO stage 1-3 for models (and parts) the Trainer trains.")
                     caller_owns_accumulation(engine)
         return result
 
@@ -146,6 +141,12 @@ class TrainerAccelerator(Accelerator):
         """
         if not self._uses_deepspeed:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        parameters = list(parameters)
+        optimizer = self._optimizer_of(self._engine_of("clip_grad_norm_", params=parameters))
+        if optimizer.updated_early:
+            # Asked again in the window: the Trainer asks with max_norm=inf when its first call returned no norm
+            # (fp32 at ZeRO stage 0). The update has run; its norm again, as upstream's engine returns it.
+            return optimizer.last_norm()
         if not math.isinf(max_norm):
             engine = self._clipping_engine(parameters, max_norm, norm_type,
                                            f"Set \"gradient_clipping\": \"auto\" (or {max_norm}) in its config.")
@@ -158,7 +159,7 @@ class TrainerAccelerator(Accelerator):
                     f"without clipping (TrainingArguments.max_grad_norm is 0), but this engine's DeepSpeed config "
                     f"clips at gradient_clipping={configured}. Set TrainingArguments(max_grad_norm={configured}), or "
                     "\"gradient_clipping\": \"auto\" (or 0) in the config.")
-        return self._optimizer_of(engine).update_for_norm("clip_grad_norm_")
+        return self._optimizer_of(engine).update_for_norm()
 
 
     def _kept_engines(self) -> list:

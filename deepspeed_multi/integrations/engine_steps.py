@@ -16,10 +16,7 @@ once per window, on the gradients of the backward passes since the last update, 
 loss themselves if they want a mean. :func:`caller_owns_accumulation` makes an engine follow
 that: it updates at every ``step()`` and applies no 1/gas of its own (its fp16 loss scale stays).
 """
-
 import math
-
-import torch
 
 
 def _applied_updates(engine) -> int:
@@ -76,14 +73,22 @@ class EngineSteps:
         self.step()
         self._stepped_early = True
 
-    def update_for_norm(self, what: str) -> torch.Tensor:
-        """This window's update now (``step_now``); its gradient norm, which DeepSpeed computes there."""
+    @property
+    def updated_early(self) -> bool:
+        """``step_now()`` ran this window's update and the window's own ``step()`` has not come yet."""
+        return self._stepped_early
+
+    def update_for_norm(self):
+        """This window's update now (``step_now``); the gradient norm DeepSpeed computed in it, or None
+        where DeepSpeed computes none (fp32 at ZeRO stage 0, whose update clips without keeping a norm:
+        upstream's ``get_global_grad_norm()`` is None there too)."""
         self.step_now()
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            raise RuntimeError(f"{what}: DeepSpeed computed no gradient norm for {type(self.engine.module).__name__} "
-                               f"at ZeRO stage {self.engine.zero_optimization_stage()}. Use ZeRO stage 1-3.")
-        return torch.as_tensor(float(norm))
+        return self.last_norm()
+
+    def last_norm(self):
+        """The engine's ``get_global_grad_norm()`` as DeepSpeed keeps it (a tensor at ZeRO 1-3, a float from the
+        bf16/fp16 optimizers at stage 0, None in fp32 at stage 0): upstream Accelerate hands it on unchanged."""
+        return self.engine.get_global_grad_norm()
 
     def zero_grad(self, set_to_none=None):
         """Discard the engine's gradients, except inside an accumulation window.

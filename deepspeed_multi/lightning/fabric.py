@@ -259,7 +259,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         if not module._window_backwards:
             raise RuntimeError(f"fabric.clip_gradients({name}): no backward pass reached {name} since its last "
                                "update; call it after fabric.backward and before optimizer.step().")
-        norm = optimizer.update_for_norm(f"fabric.clip_gradients({name})")
+        norm = optimizer.update_for_norm()
+        if norm is None:
+            raise RuntimeError(f"fabric.clip_gradients({name}): DeepSpeed computed no gradient norm for {name} at ZeRO "
+                               "stage 0 in fp32 (its update clips at gradient_clipping without keeping the norm). Use "
+                               "ZeRO stage 1-3, or bf16/fp16, to read the norm.")
+        norm = torch.as_tensor(float(norm))
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"fabric.clip_gradients({name}): the gradient norm is {float(norm)}.")
         return norm

@@ -7,7 +7,8 @@ Correctness (always): ``buffers`` (gradients kept and discarded with PyTorch's m
 sequence-data-parallel group under Ulysses SP at ZeRO-1/2; DeepSpeed's tiled loss refused there),
 ``offload_grads`` (no stale gradient after a window without one under CPU offload) and
 ``stage12_round_robin`` (each parameter linked to its own fp32 slice under ``round_robin_gradients``),
-the last four installed here before the fast paths. Fast paths
+the last four installed here before the fast paths, and ``stage1_overlap_order`` (ZeRO-1's update
+reduces in the backward's order where the config asked for ``overlap_comm``: upstream's bits). Fast paths
 (each gives DeepSpeed's bits, each checked by ``compat.fast_path_exact`` and skipped where it
 does not apply):
 
@@ -52,16 +53,17 @@ from . import (bucket_size, master_alias, offload_grads, sequence_parallel, stag
                stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_rank_order,
                stage3_release_between, stage3_scatter,
                stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce,
-               stage12_round_robin)
+               stage12_round_robin, stage1_overlap_order)
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
 
 
-def install(optimizer, fused_reduce: bool) -> dict:
+def install(optimizer, options) -> dict:
     """Install every fast path that applies to ``optimizer``, in the order of the Note; return
-    ``{feature: installed}``. ``fused_reduce`` is the config option."""
+    ``{feature: installed}``. ``options`` are the engine's (config.MultiOptions)."""
     done = {stage3_predivide.FEATURE: stage3_predivide.install(optimizer),
+            stage1_overlap_order.FEATURE: stage1_overlap_order.install(optimizer, options.zero1_overlap_comm),
             sequence_parallel.FEATURE: sequence_parallel.install(optimizer),
             offload_grads.FEATURE: offload_grads.install(optimizer),
             # before master_alias, whose relink of the fp32 fragments then goes through it
@@ -76,7 +78,7 @@ def install(optimizer, fused_reduce: bool) -> dict:
     for module in (stage12_hook_count, stage3_grad_view, stage12_grad_view, stage12_overflow, stage3_joined_fetch,
                    stage3_release_between):
         done[module.FEATURE] = module.install(optimizer)
-    done.update(install_fused(optimizer) if fused_reduce else {m.FEATURE: False for m in FUSED})
+    done.update(install_fused(optimizer) if options.fused_reduce else {m.FEATURE: False for m in FUSED})
     # the bucket stage3_bucket_size allocates and stage3_scatter flushes, laid out for the flush
     done[stage3_rank_order.FEATURE] = bool(
         done.get(bucket_size.FEATURE_Z3) and done.get(stage3_scatter.FEATURE)
@@ -89,6 +91,7 @@ def hand_back(optimizer) -> None:
     parameters), so that a new engine over the module starts from DeepSpeed's state."""
     stage3_joined_fetch.forget(optimizer)
     stage3_release_between.forget(optimizer)
+    stage1_overlap_order.forget(optimizer)
     stage3_cast_on_gather.hand_back(optimizer)
 
 

@@ -709,6 +709,16 @@ def _overlaps(engine):
     return engine.optimizer.overlap_comm
 
 
+def _overlap_below_stage2(engine):
+    """[Note: overlap_comm below ZeRO-2]: DeepSpeed does not see the key at stages 0 and 1 (it refuses it
+    there with unmanaged accumulation); ZeRO-1 reduces at the update in its backward's order instead."""
+    from deepspeed_multi import compat
+    stage = engine.zero_optimization_stage()
+    if stage == 1:
+        return not engine.optimizer.overlap_comm and compat.installed(engine.optimizer, "stage1_overlap_order")
+    return stage == 0 or _overlaps(engine)
+
+
 def _zero3_has(**attrs):
     """took_effect check: the ZeRO-3 engines' parameter coordinator settings (others pass)."""
     def check(engine):
@@ -794,6 +804,8 @@ for _gas in (1, 2):
         # The reduction knobs the fuzzer also draws, one row each (refused combinations: docs/limits.md).
         f"knob-overlap-comm-z223-gas{_gas}": functools.partial(
             _knob, _each(_overlaps), stages=(2, 2, 3), gas=_gas, overlap_comm=True),
+        f"knob-overlap-comm-z012-gas{_gas}": functools.partial(
+            _knob, _each(_overlap_below_stage2), stages=(0, 1, 2), gas=_gas, overlap_comm=True),
         f"knob-noncontiguous-z123-gas{_gas}": functools.partial(
             _knob, _each(_opt_has(contiguous_gradients=False)), gas=_gas, contiguous_gradients=False),
         f"knob-no-reduce-scatter-z123-gas{_gas}": functools.partial(

@@ -23,9 +23,20 @@ def test_unknown_option_names_the_key():
         prepare_engine_config({"deepspeed_multi": {"fuse": True}})
 
 
-def test_stage1_overlap_comm_refused_with_fix():
-    with pytest.raises(ValueError, match="overlap_comm.*stage 1"):
-        prepare_engine_config({"zero_optimization": {"stage": 1, "overlap_comm": True}})
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_overlap_comm_below_stage2_is_dropped_for_deepspeed(stage):
+    """[Note: overlap_comm below ZeRO-2]: accepted at every stage, as upstream accepts it; DeepSpeed sees it
+    from stage 2 on only, and a ZeRO-1 engine is told to reduce in its backward's order."""
+    config, _, options = prepare_engine_config({"zero_optimization": {"stage": stage, "overlap_comm": True}})
+    assert ("overlap_comm" in config["zero_optimization"]) == (stage >= 2)
+    assert options.zero1_overlap_comm == (stage == 1)
+    _, _, options = prepare_engine_config({"zero_optimization": {"stage": 1, "overlap_comm": False}})
+    assert not options.zero1_overlap_comm
+
+
+def test_the_internal_option_is_not_a_user_option():
+    with pytest.raises(ValueError, match="unknown option.*zero1_overlap_comm"):
+        prepare_engine_config({"deepspeed_multi": {"zero1_overlap_comm": True}})
 
 
 @pytest.mark.parametrize("stage", [1, 2])
