@@ -204,6 +204,9 @@ def _class(owner: str):
     if owner == "PartitionedParameterCoordinator":
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
         return PartitionedParameterCoordinator
+    if owner == "GatheredParameters":
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        return GatheredParameters
     if owner == "Init":
         from deepspeed.runtime.zero.partition_parameters import Init
         return Init

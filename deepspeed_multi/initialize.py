@@ -12,6 +12,7 @@ from . import compat, host_memory
 from .config import load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
+from .reliability import discarded_writes
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
 from .zero import block_sizes, stage3_counters, torch_autocast
 
@@ -92,6 +93,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         built = deepspeed.initialize(**kwargs)
     torch_autocast.keep_own_comm_dtype(built[0], config)  # [Note: torch_autocast is per engine]
     _refuse_sequence_parallel_zero0(built[0])
+    if built[0].zero_optimization_stage() == 3:
+        discarded_writes.install(built[0])  # [Note: writes that GatheredParameters discards]
     host_memory.release_free_heap()  # [Note: construction's free heap]
     return built
 

@@ -183,6 +183,21 @@ def cast_for_gather(params):
             p.ds_tensor = getattr(p, _SOURCE)[3]
 
 
+def partition_value(p) -> torch.Tensor:
+    """This rank's 16-bit partition of ``p`` as DeepSpeed's ``ds_tensor`` would hold it: ``ds_tensor``
+    itself, or the master's cast where it holds the placeholder (a new tensor)."""
+    source = getattr(p, _SOURCE, None)
+    if source is None:
+        return p.ds_tensor
+    state, group, offset, ph = source
+    if not state.on or state.layout_depth:
+        return p.ds_tensor
+    _take_assigned(state, p, ph)
+    if p.ds_tensor is not ph:
+        return p.ds_tensor
+    return state.master_cast(group, offset, ph.ds_numel)
+
+
 def pin(p) -> None:
     """Give ``p`` its own copy of its 16-bit value until its sub-group's next update (a no-op where
     it has one, or DeepSpeed's layout is up)."""
