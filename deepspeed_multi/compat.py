@@ -210,6 +210,9 @@ def _class(owner: str):
     if owner == "Init":
         from deepspeed.runtime.zero.partition_parameters import Init
         return Init
+    if owner == "FP16_UnfusedOptimizer":
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+        return FP16_UnfusedOptimizer
     if owner == "BF16_Optimizer":
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         return BF16_Optimizer

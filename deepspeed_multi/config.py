@@ -48,8 +48,6 @@ def prepare_engine_config(config: dict):
     which case every step() updates.
     """
     options = MultiOptions.from_config(config)
-    _refuse_deepcompile(config)
-    _refuse_boundary_owning_offloads(config)
     user_managed = config.get(MANAGED_GRADIENT_ACCUMULATION, True) is False
     config[MANAGED_GRADIENT_ACCUMULATION] = False
     stage = zero_stage(config)
@@ -88,54 +86,6 @@ def _drop_overlap_below_stage2(config: dict, stage: int) -> bool:
                     "reduction runs at the update's step() (see [Note: overlap_comm below ZeRO-2]).", stage)
         return True
     return False
-
-
-def _refuse_deepcompile(config: dict) -> None:
-    """DeepCompile compiles the engine's backward with DeepSpeed's own prologue and epilogue in it
-    and needs DeepSpeed to own gradient accumulation (``managed_gradient_accumulation``, the
-    boundary it passes to its compiled backward). A MultiEngine runs unmanaged and calls the
-    prologue/epilogue from autograd hooks ([Note: who owns the gradient-accumulation boundary]),
-    so DeepSpeed would refuse it with a bare ``AssertionError`` in the engine's constructor."""
-    if (config.get("compile") or {}).get("deepcompile") is True:
-        raise NotImplementedError(
-            "deepspeed_multi does not support DeepCompile (compile.deepcompile=true): DeepCompile compiles the "
-            "engine's backward with DeepSpeed's gradient-accumulation boundary in it, so it needs DeepSpeed to own "
-            "gradient accumulation and the backward (managed_gradient_accumulation, engine.backward(loss)), while "
-            "deepspeed_multi runs every engine unmanaged and calls the backward prologue and epilogue from autograd "
-            "hooks so that one loss.backward() can reach several engines (DeepSpeed refuses that combination: "
-            "'managed_gradient_accumulation=False is not supported with DeepCompile'). Build this engine with "
-            "deepspeed.initialize and train it with engine.backward(loss) and engine.step() in a loss of its own, "
-            "or drop compile.deepcompile from its config (engine.compile() without DeepCompile is supported).")
-
-
-def _refuse_boundary_owning_offloads(config: dict) -> None:
-    """ZenFlow and SuperOffload decide inside DeepSpeed's managed accumulation when parameters update.
-
-    ZenFlow replaces ``gradient_accumulation_steps`` with its own ``update_interval``, picks the
-    accumulation boundary from its selection state in ``is_gradient_accumulation_boundary`` and steps
-    a selective optimizer on every micro-step; run unmanaged it steps on gradients that were never
-    accumulated (measured: ``TypeError`` in its ``lerp_`` on the first step, 2 CPU ranks, ZeRO-2).
-    SuperOffload (CUDA only) runs the CPU optimizer during the backward pass, as each sub-group's
-    gradients complete at the boundary: with one backward reaching several engines, or one engine
-    twice, parameters would change while the same backward still needs them."""
-    zero = config.get("zero_optimization") or {}
-    if zero.get("zenflow"):
-        raise NotImplementedError(
-            "deepspeed_multi does not support ZenFlow (zero_optimization.zenflow): ZenFlow owns the gradient-"
-            "accumulation boundary (its update_interval replaces gradient_accumulation_steps, and it steps a "
-            "selective optimizer on every micro-step), which needs DeepSpeed's managed accumulation and "
-            "engine.backward(loss); deepspeed_multi runs every engine unmanaged so that one loss.backward() can "
-            "reach several engines. Build this engine with deepspeed.initialize and train it with "
-            "engine.backward(loss) and engine.step() in a loss of its own, or remove zero_optimization.zenflow "
-            "(offload_optimizer alone is supported).")
-    if (zero.get("offload_optimizer") or {}).get("super_offload"):
-        raise NotImplementedError(
-            "deepspeed_multi does not support SuperOffload (zero_optimization.offload_optimizer.super_offload): it "
-            "steps the CPU optimizer inside the backward pass, as each group of gradients completes at the "
-            "accumulation boundary, and deepspeed_multi decides that boundary at step() so that one backward "
-            "can reach several engines, or one engine twice, with the parameters unchanged until it ends. Build "
-            "this engine with deepspeed.initialize and engine.backward(loss) in a loss of its own, or set "
-            "super_offload to false (offload_optimizer alone is supported).")
 
 
 OPTIONS_KEY = "deepspeed_multi"

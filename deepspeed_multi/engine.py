@@ -19,7 +19,7 @@ from .autograd.boundary import wrap_inputs, wrap_outputs
 from .autograd.region import Region
 from .autograd.tree import tree_tensors
 from .config import MultiOptions
-from .reliability import dp_groups, misuse, watchdog
+from .reliability import dp_groups, managed_path, misuse, watchdog
 from .reliability.rank_agreement import RankAgreement
 from .reliability.skip_group import SkipGroup
 from .state import TrainingState
@@ -145,6 +145,7 @@ class MultiEngine(DeepSpeedEngine):
     def _before_output_backward(self, record, create_graph: bool):
         """A gradient reached an output of one forward: re-arm ZeRO-3 when it is a later backward pass."""
         task = graph.current_task()
+        managed_path.reached(self)  # [Note: the drop-in rule]: refused beside an engine on DeepSpeed's managed path
         first_in_task = task not in record.graph_tasks
         record.graph_tasks.add(task)
         if self.zero_optimization_stage() != 3:
@@ -223,8 +224,7 @@ class MultiEngine(DeepSpeedEngine):
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Old single-engine API: same as ``loss.backward()``; returns ``loss / gas`` like DeepSpeed.
 
-        The 1/gas scale is applied at the engine boundary, so ``scale_wrt_gas=False`` is refused
-        rather than silently ignored.
+        The 1/gas scale is applied at the engine boundary, so ``scale_wrt_gas=False`` is refused, not ignored.
         """
         if not scale_wrt_gas:
             raise ValueError("MultiEngine.backward(scale_wrt_gas=False) is not supported: the engine divides by "

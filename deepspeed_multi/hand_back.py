@@ -5,10 +5,11 @@
 engine can be built over the same module. Accelerate's ``free_memory()`` calls it (and every
 ``Trainer.train()`` calls that before it builds its engine): a new Trainer over a trained model,
 an ``evaluate()`` engine replaced by the training one, a model prepared again. A MultiEngine puts
-more on the module than DeepSpeed does: the region's forward hooks on every
-submodule (autograd/region.py), the direct-use and skip-group checks on the parameters'
-gradient accumulators, the watchdog's forward hooks and, at bf16/fp16 ZeRO-3, the parameters'
-16-bit partitions released (zero/stage3_cast_on_gather.py). Left there they would act for the
+more on the module than DeepSpeed does: the region's forward hooks on every submodule
+(autograd/region.py), the direct-use and skip-group checks on the parameters' gradient
+accumulators, the watchdog's forward hooks, at ZeRO-3 the parameters' names for the
+discarded-write warning (reliability/discarded_writes.py) and, at bf16/fp16 ZeRO-3, the
+parameters' 16-bit partitions released (zero/stage3_cast_on_gather.py). Left there they would act for the
 destroyed engine inside the new one's forward and backward (its epilogue on freed buckets: an
 IndexError at ZeRO-2), and the new engine would build its partitions from the released
 placeholders (NaN, silently, at bf16 ZeRO-3).
@@ -30,7 +31,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from . import zero
 from .autograd import outside_use
-from .reliability import dp_groups, misuse, watchdog
+from .reliability import discarded_writes, dp_groups, misuse, watchdog
 from .state import TrainingState
 from .zero import stage3_counters
 
@@ -51,6 +52,7 @@ def hand_back(engine) -> None:
         zero.hand_back(engine.optimizer)
     if engine.zero_optimization_stage() == 3:
         stage3_counters.forget(engine.module)
+        discarded_writes.forget(engine)
 
 
 def at_garbage_collection(engine) -> None:

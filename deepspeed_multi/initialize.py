@@ -1,4 +1,5 @@
 """``deepspeed_multi.initialize``: ``deepspeed.initialize`` that builds a MultiEngine."""
+import contextlib
 import copy
 import functools
 import logging
@@ -6,13 +7,11 @@ import threading
 
 import deepspeed
 import torch
-from deepspeed.runtime.pipe.module import PipelineModule
-
 from . import compat, host_memory
-from .config import load_config, prepare_engine_config, zero_stage
+from .config import OPTIONS_KEY, load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
-from .reliability import discarded_writes
+from .reliability import discarded_writes, managed_path
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
 from .zero import block_sizes, stage3_counters, torch_autocast
 
@@ -39,10 +38,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
     compat.check_deepspeed()  # a DeepSpeed outside the supported window: a clear error first
-    if isinstance(model, PipelineModule):
-        raise NotImplementedError("deepspeed_multi does not support pipeline parallelism: got a PipelineModule. "
-                                  "Use deepspeed.initialize for pipeline engines; they run their own schedule "
-                                  "(train_batch) instead of loss.backward().")
     refuse_engine_as_model(model, "deepspeed_multi.initialize")
     if config is None and config_params is not None:
         config = config_params
@@ -53,6 +48,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("deepspeed_multi.initialize needs a DeepSpeed config: pass config=<dict or path> "
                          "(or args.deepspeed_config).")
     config = load_config(config)
+    kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                  dist_init_required=dist_init_required, collate_fn=collate_fn, mesh_param=mesh_param)
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
+    feature = managed_path.feature_of(model, config)
+    if feature is not None:  # [Note: the drop-in rule]
+        return _initialize_managed(feature, config, kwargs)
     declared = declared_submodules(config)
     if declared is not None:  # one model, several ZeRO stages (parts/plan.py)
         from .parts.build import initialize_parts
@@ -69,9 +72,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                     "inference-only engine at stage 0.", zero_stage(config))
         config["zero_optimization"]["stage"] = 0
         config["zero_optimization"].pop("overlap_comm", None)  # [Note: overlap_comm below ZeRO-2]
-    if config.get("hybrid_engine", {}).get("enabled", False):
-        raise NotImplementedError("deepspeed_multi does not support the DeepSpeed hybrid engine "
-                                  "(hybrid_engine.enabled=true); disable it in this engine's config.")
     _refuse_mics(config)
     block_sizes.fill(config, model, optimizer, options.min_block_elements)  # [Note: sizes from the model's block]
     trains = optimizer is not None or "optimizer" in config
@@ -79,12 +79,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if zero_stage(config) == 3 and isinstance(model, torch.nn.Module):
         stage3_counters.forget(model)  # left by an engine dropped without destroy(): not this one's to reuse
 
-    kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                  mesh_param=mesh_param)
-    if distributed_port is not None:
-        kwargs["distributed_port"] = distributed_port
+    kwargs["config"] = config
     engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed, options=options)
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
@@ -97,6 +92,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         discarded_writes.install(built[0])  # [Note: writes that GatheredParameters discards]
     host_memory.release_free_heap()  # [Note: construction's free heap]
     return built
+
+
+def _initialize_managed(feature, config, kwargs):
+    """An engine of a boundary-owning feature, built as upstream builds it ([Note: the drop-in rule]).
+
+    Our own options do not apply on DeepSpeed's managed path: a "deepspeed_multi" section is refused."""
+    if OPTIONS_KEY in config:
+        raise ValueError(f"deepspeed_multi.initialize: this config uses {feature}, whose engine runs on DeepSpeed's "
+                         f"managed path as upstream builds it, where deepspeed_multi's own options do not apply; "
+                         f"remove its \"{OPTIONS_KEY}\" section {sorted(config[OPTIONS_KEY])}.")
+    _refuse_mics(config)
+    kwargs["config"] = config
+    with _ENGINE_CLASS_LOCK, contextlib.ExitStack() as swaps:
+        for name, cls in managed_path.engine_classes(feature).items():
+            if hasattr(deepspeed, name):
+                swaps.enter_context(compat.swapped(deepspeed, name, cls))
+        return deepspeed.initialize(**kwargs)
 
 
 def _refuse_sequence_parallel_zero0(engine) -> None:

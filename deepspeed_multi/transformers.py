@@ -119,6 +119,8 @@ class TrainerAccelerator(Accelerator):
         return result
 
     def backward(self, loss, **kwargs):
+        if self._managed_wrapper is not None:  # upstream's path, its scale_wrt_gas=False too
+            return self._managed_backward(loss, **kwargs)
         if self._uses_deepspeed:
             if kwargs.pop("scale_wrt_gas", False):
                 raise ValueError("backward(loss, scale_wrt_gas=True) under a Trainer: the Trainer divides the loss "
@@ -139,7 +141,7 @@ class TrainerAccelerator(Accelerator):
         ``max_norm=inf`` asks for the norm without clipping (the Trainer does so when
         ``max_grad_norm`` is 0). The update runs here (see the Note).
         """
-        if not self._uses_deepspeed:
+        if not self._uses_deepspeed or self._managed_wrapper is not None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         parameters = list(parameters)
         optimizer = self._optimizer_of(self._engine_of("clip_grad_norm_", params=parameters))

@@ -30,12 +30,14 @@ import contextlib
 import os
 
 import accelerate
+import deepspeed
 import torch
 
 from accelerate.utils import DistributedType
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
 from accelerate.scheduler import AcceleratedScheduler
 
+from ..reliability import managed_path
 from ..engine import MultiEngine
 from ..parts.engine import PartedEngine
 
@@ -58,6 +60,7 @@ class Accelerator(accelerate.Accelerator):
         if mixed_precision is None:
             mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         self._mixed_precision_request = str(mixed_precision)
+        self._managed_wrapper = None  # Accelerate's wrapper of an engine on DeepSpeed's managed path (backward)
         super().__init__(*args, **kwargs)
         if self._uses_deepspeed:
             sync_world_size(self.state)   # see [Note: Accelerate's DeepSpeed mode on CPU]
@@ -95,7 +98,10 @@ class Accelerator(accelerate.Accelerator):
     def _prepare_deepspeed(self, *args):
         with multi_engine_initialize(), sequence_parallel.register_once():  # [Note: one Ulysses registration ...]
             result = list(super()._prepare_deepspeed(*args))
-        # Accelerate ties backward() to the first engine; ours drives every engine (see backward).
+        # Accelerate ties backward() to the first engine; ours drives every engine (see backward), except an engine on
+        # DeepSpeed's managed path, which keeps Accelerate's own wrapper ([Note: the drop-in rule]).
+        if any(managed_path.is_managed(obj) for obj in result):
+            self._managed_wrapper = self.deepspeed_engine_wrapped
         self.deepspeed_engine_wrapped = None
         engine = next((obj for obj in result if isinstance(obj, ENGINES)), None)
         optimizer = None
@@ -153,8 +159,34 @@ class Accelerator(accelerate.Accelerator):
                              "gradient_accumulation_steps, so a loss already divided would be divided twice. Under "
                              "transformers.Trainer (which passes it), use deepspeed_multi.transformers.Trainer; in "
                              "your own loop, pass the undivided loss.")
+        if self._managed_wrapper is not None:
+            return self._managed_backward(loss, **kwargs)
         # Each engine divides by its own gradient_accumulation_steps at its boundary.
         loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def _as_upstream(self, what):
+        """Accelerate's own single-engine path for the one engine on DeepSpeed's managed path (ZenFlow, DeepCompile,
+        SuperOffload, the hybrid engine: [Note: the drop-in rule]), as upstream Accelerate runs it."""
+        models = [m for m in self._models if isinstance(m, (*ENGINES, deepspeed.DeepSpeedEngine))]
+        if len(models) > 1:
+            engine = self._managed_wrapper.engine
+            raise RuntimeError(
+                f"accelerator.{what}: {type(engine.module).__name__} uses {engine.managed_feature}, whose engine runs on "
+                "DeepSpeed's managed path, which Accelerate drives as upstream Accelerate does: backward() runs that "
+                "engine's engine.backward(loss) and, at the window's end, its step(). With "
+                f"{len(models) - 1} more model(s) prepared in this Accelerator, backward() cannot tell which engines "
+                "the loss reaches. Prepare that model in an Accelerator of its own, or drop "
+                f"{engine.managed_feature.split(' (')[0]} from its config.")
+        self.deepspeed_engine_wrapped = self._managed_wrapper
+        try:
+            yield
+        finally:
+            self.deepspeed_engine_wrapped = None
+
+    def _managed_backward(self, loss, **kwargs):
+        with self._as_upstream("backward()"):
+            return accelerate.Accelerator.backward(self, loss, **kwargs)
 
     def _engine_of(self, what, params=None, model=None):
         engines = [m for m in self._models if isinstance(m, ENGINES)]
@@ -180,6 +212,9 @@ class Accelerator(accelerate.Accelerator):
         """
         if not self._uses_deepspeed:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if self._managed_wrapper is not None:
+            with self._as_upstream("clip_grad_norm_()"):
+                return accelerate.Accelerator.clip_grad_norm_(self, parameters, max_norm, norm_type)
         fix = (f"Set \"gradient_clipping\": {max_norm} in this model's DeepSpeed config (and keep the call, which "
                "then returns the norm of the last update), or drop the call.")
         return self._clipping_engine(parameters, max_norm, norm_type, fix).get_global_grad_norm()

@@ -25,6 +25,14 @@ def _applied_updates(engine) -> int:
 
 def caller_owns_accumulation(engine) -> None:
     """``engine`` updates at every ``step()`` and leaves the 1/gas to its caller (see the Note)."""
+    from ..reliability.managed_path import is_managed
+    if is_managed(engine):  # [Note: the drop-in rule]
+        name, feature = type(engine.module).__name__, engine.managed_feature
+        engine.destroy()
+        raise RuntimeError(f"{name} uses {feature}, whose engine runs on DeepSpeed's managed path: it counts its own "
+                           "micro-steps and divides by its own gradient_accumulation_steps, so it cannot follow a loop "
+                           "that owns accumulation (Lightning here). Train it with engine.backward(loss) and "
+                           f"engine.step() in a loop of your own, or drop {feature.split(' (')[0]} from its config.")
     if engine._window_backwards or engine._window_micro_steps:
         raise RuntimeError(f"{type(engine.module).__name__}: the caller must own accumulation from the first backward "
                            "pass; set the model up before training it.")

@@ -67,3 +67,10 @@ def install(engine) -> None:
         setattr(p, _NAME, f"{engine._engine_name()}: {name}")
     if not getattr(GatheredParameters.__exit__, "_dsm_discarded_writes", False):
         GatheredParameters.__exit__ = _exit_warning(GatheredParameters.__exit__)
+
+
+def forget(engine) -> None:
+    """``engine.destroy()``: its parameters' names go with it (a new engine over them names them again)."""
+    for p in engine.module.parameters():
+        if hasattr(p, _NAME):
+            delattr(p, _NAME)

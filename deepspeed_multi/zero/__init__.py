@@ -8,7 +8,8 @@ sequence-data-parallel group under Ulysses SP at ZeRO-1/2; DeepSpeed's tiled los
 ``offload_grads`` (no stale gradient after a window without one under CPU offload) and
 ``stage12_round_robin`` (each parameter linked to its own fp32 slice under ``round_robin_gradients``),
 the last four installed here before the fast paths, and ``stage1_overlap_order`` (ZeRO-1's update
-reduces in the backward's order where the config asked for ``overlap_comm``: upstream's bits). Fast paths
+reduces in the backward's order where the config asked for ``overlap_comm``: upstream's bits) and
+``stage0_fp16_norm`` (fp16 ZeRO-0's unfused optimizer keeps the gradient norm unscaled). Fast paths
 (each gives DeepSpeed's bits, each checked by ``compat.fast_path_exact`` and skipped where it
 does not apply):
 
@@ -53,7 +54,7 @@ from . import (bucket_size, master_alias, offload_grads, sequence_parallel, stag
                stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_rank_order,
                stage3_release_between, stage3_scatter,
                stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce,
-               stage12_round_robin, stage1_overlap_order)
+               stage12_round_robin, stage1_overlap_order, stage0_fp16_norm)
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)
@@ -64,6 +65,7 @@ def install(optimizer, options) -> dict:
     ``{feature: installed}``. ``options`` are the engine's (config.MultiOptions)."""
     done = {stage3_predivide.FEATURE: stage3_predivide.install(optimizer),
             stage1_overlap_order.FEATURE: stage1_overlap_order.install(optimizer, options.zero1_overlap_comm),
+            stage0_fp16_norm.FEATURE: stage0_fp16_norm.install(optimizer),
             sequence_parallel.FEATURE: sequence_parallel.install(optimizer),
             offload_grads.FEATURE: offload_grads.install(optimizer),
             # before master_alias, whose relink of the fp32 fragments then goes through it

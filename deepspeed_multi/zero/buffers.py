@@ -86,6 +86,8 @@ def abort_backward(engine) -> None:
         reduced = optimizer.params_already_reduced
         for key in (reduced.keys() if isinstance(reduced, dict) else range(len(reduced))):
             reduced[key] = False
+        # ZeRO-1/2: a parameter larger than the bucket, waiting alone to be reduced at the next flush.
+        getattr(optimizer, "extra_large_param_to_reduce", {}).clear()
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         engine.empty_partition_cache()
     discard(optimizer)

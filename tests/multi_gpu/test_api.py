@@ -47,7 +47,7 @@ def test_ranks_disagree_refused(stage, shared):
     run_distributed(checks.ranks_disagree_refused, stage, 1, shared, timeout_s=60)
 
 
-def test_bad_config_and_pipeline_refused():
+def test_bad_config_refused():
     run_distributed(checks.bad_config_refused, world_size=1)
 
 

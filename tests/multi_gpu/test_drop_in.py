@@ -6,6 +6,7 @@ from harness import run_distributed
 
 def test_overlap_comm_below_stage2_as_upstream():
     run_distributed(checks.overlap_below_stage2, timeout_s=300)
+    run_distributed(checks.fp16_zero0_norm_as_upstream, timeout_s=120)
 
 
 def test_zero1_overlap_comm_as_upstream_on_four_ranks():
@@ -16,3 +17,17 @@ def test_zero1_overlap_comm_as_upstream_on_four_ranks():
 
 def test_writes_that_gathered_parameters_discards_are_warned():
     run_distributed(checks.gathered_writes_warned, timeout_s=300)
+
+
+def test_boundary_owning_features_build_and_train_as_upstream():
+    """ZenFlow, DeepCompile (without engine.compile(), as upstream runs it on CPU), the hybrid engine, pipeline
+    engines: built where upstream builds them, bit-identical trained alone, refused by name only at a backward
+    that reaches them beside another engine (or a plain loss.backward() where upstream needs engine.backward)."""
+    run_distributed(checks.managed_features_as_upstream, timeout_s=400)
+    run_distributed(checks.superoffload_fails_as_upstream, timeout_s=120)
+    # Fresh ranks: a pipeline engine leaves DeepSpeed's process-wide groups (its mpu) behind, upstream too.
+    run_distributed(checks.pipeline_as_upstream, timeout_s=120, fresh=True)
+
+
+def test_accelerate_drives_a_boundary_owning_engine_as_upstream():
+    run_distributed(checks.accelerate_managed_as_upstream, timeout_s=300)

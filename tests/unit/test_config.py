@@ -62,36 +62,30 @@ def test_offload_refused_on_releases_before_the_measured_one(monkeypatch, key):
     prepare_engine_config(dict(cfg, zero_optimization=dict(cfg["zero_optimization"])))
 
 
-@pytest.mark.parametrize("given", [{"compile": {"deepcompile": True}},
-                                   {"compile": {"deepcompile": True}, "zero_optimization": {"stage": 3}}])
-def test_deepcompile_refused_at_initialize_naming_why_and_what_to_do(given):
-    """Refused before DeepSpeed sees the config (which would stop in the engine's constructor with
-    a bare AssertionError: managed_gradient_accumulation=False is not supported with DeepCompile)."""
-    import deepspeed_multi
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError) as info:
-        deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=given)
-    msg = str(info.value)
-    for text in ("does not support DeepCompile (compile.deepcompile=true)", "managed_gradient_accumulation",
-                 "autograd hooks", "deepspeed.initialize and train it with engine.backward(loss)",
-                 "drop compile.deepcompile"):
-        assert text in msg, msg
-    prepare_engine_config({"compile": {"deepcompile": False}})  # off, or engine.compile() alone: fine
+@pytest.mark.parametrize("config,feature", [
+    ({"compile": {"deepcompile": True}}, "DeepCompile (compile.deepcompile)"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}},
+     "ZenFlow (zero_optimization.zenflow)"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+     "SuperOffload (zero_optimization.offload_optimizer.super_offload)"),
+    ({"hybrid_engine": {"enabled": True}}, "the hybrid engine (hybrid_engine.enabled)"),
+    ({"compile": {"deepcompile": False}, "hybrid_engine": {"enabled": False},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, None)])
+def test_boundary_owning_features_go_to_the_managed_path(config, feature):
+    """[Note: the drop-in rule]: these build as upstream builds them (refused only at a backward that
+    reaches them beside another engine: test_drop_in.py); engine.compile() alone or an offload is ours."""
+    from deepspeed_multi.reliability import managed_path as managed
+    assert managed.feature_of(torch.nn.Linear(2, 2), config) == feature
 
 
-@pytest.mark.parametrize("zero,names", [
-    ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}},
-     ("does not support ZenFlow (zero_optimization.zenflow)", "update_interval", "remove zero_optimization.zenflow")),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
-     ("does not support SuperOffload", "inside the backward pass", "set super_offload to false"))])
-def test_zenflow_and_super_offload_refused_naming_why_and_what_to_do(zero, names):
-    with pytest.raises(NotImplementedError) as info:
-        prepare_engine_config({"zero_optimization": zero})
-    for text in names + ("deepspeed.initialize and", "engine.backward(loss)"):
-        assert text in str(info.value), str(info.value)
-    zero = dict(zero, offload_optimizer={"device": "cpu"})
-    zero.pop("zenflow", None)
-    prepare_engine_config({"zero_optimization": zero})  # the offload alone: fine
+def test_a_pipeline_module_goes_to_the_managed_path():
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from deepspeed_multi.reliability import managed_path as managed
+    with pytest.MonkeyPatch.context() as mp:  # PipelineModule's constructor needs a process group
+        mp.setattr(PipelineModule, "__init__", lambda self, *a, **k: torch.nn.Module.__init__(self))
+        assert managed.feature_of(PipelineModule([LayerSpec(torch.nn.Linear, 2, 2)]), {}) == \
+            "pipeline parallelism (a PipelineModule)"
 
 
 def test_load_config_from_path(tmp_path):
