@@ -42,6 +42,10 @@ setup: $(STAMP)
 # first `ninja` on it; ninja versions keep incompatible logs, so a build by another ninja is redone (~50 s).
 PREBUILD = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
 	|| echo "note: DeepSpeed's shm op did not build"
+# DeepSpeed's CPU Adam in the newest environment: the shipped configs with optimizer offload use it
+# (tests/multi_gpu/test_shipped_configs.py), and a first build inside a test would spend its deadline.
+PREBUILD_CPU_ADAM = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+	|| echo "note: DeepSpeed's CPU Adam did not build"
 $(STAMP): pyproject.toml setup.py Makefile requirements-test.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -52,6 +56,7 @@ $(STAMP): pyproject.toml setup.py Makefile requirements-test.txt
 	$(PY) -c "import torch, deepspeed, accelerate, transformers, deepspeed_multi; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)"
 	$(PY) -m deepspeed_multi.ops.build || echo "note: the fused-reduce extension did not build; see above"
 	$(call PREBUILD,$(abspath $(PY)))
+	$(call PREBUILD_CPU_ADAM,$(abspath $(PY)))
 	touch $@
 
 $(STAMP_OLDEST): pyproject.toml setup.py Makefile requirements-test.txt
