@@ -116,6 +116,10 @@ class MultiOptions:
     min_block_elements: bucket and prefetch sizes the config leaves unset are the model's block's,
         grouped into as many whole blocks as fit in this many elements, and this many for a model
         no larger (see [Note: sizes from the model's block]); 0 sizes them by the block alone.
+    generation_gather_bytes: the most bytes of whole parameters a ZeRO-3 engine's ``generate()`` gathers at
+        once to run without per-module gathers (``engine.generation_mode()``; [Note: generation from a
+        ZeRO-3 engine]); None (the default): no bound, the whole model, as TRL gathers it; 0: never, each
+        forward gathers module by module with ``synced_gpus`` on.
     allow_mixed_dp_groups: allow one backward pass to reach this engine and engines on other
         data-parallel groups (another ``mpu``); every engine of that backward must allow it.
         Right only when the data is replicated across each model-parallel group, so that every
@@ -130,6 +134,7 @@ class MultiOptions:
     direct_use_check_updates: int = 1
     agree_before_collectives: Optional[bool] = None
     min_block_elements: int = 1 << 22
+    generation_gather_bytes: Optional[int] = None
     # Set by prepare_engine_config, not a user option: the config asked for overlap_comm at ZeRO-1, which
     # DeepSpeed does not see; the update reduces in upstream's order (zero/stage1_overlap_order.py).
     zero1_overlap_comm: bool = field(default=False, init=False, repr=False)
@@ -159,6 +164,10 @@ class MultiOptions:
         if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
             raise ValueError(f"deepspeed_multi: min_block_elements must be an integer >= 0 (the fewest elements a "
                              f"bucket or prefetch sized from the model's block holds); got {floor!r}.")
+        bound = options.generation_gather_bytes
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ValueError(f"deepspeed_multi: generation_gather_bytes must be a number of bytes >= 0 (0: generate() "
+                             f"never gathers the whole model) or null (no bound); got {bound!r}.")
         if not isinstance(options.allow_mixed_dp_groups, bool):
             raise ValueError(f"deepspeed_multi: allow_mixed_dp_groups must be true or false; got "
                              f"{options.allow_mixed_dp_groups!r}.")

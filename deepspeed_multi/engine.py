@@ -24,7 +24,8 @@ from .reliability.rank_agreement import RankAgreement
 from .reliability.skip_group import SkipGroup
 from .state import TrainingState
 from .switches import CHECK_RANK_AGREEMENT, switch_on
-from .zero import buffers, stage3_counters, stage3_prefetch, stage3_release_between, stage12_bucket_pack
+from .zero import (buffers, stage3_counters, stage3_generation, stage3_prefetch, stage3_release_between,
+                   stage12_bucket_pack)
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class MultiEngine(DeepSpeedEngine):
         finally:
             self._region.exit_forward()
         if stage3 and (not self.trains or not any(t.requires_grad for t in tree_tensors(outputs))):
-            self._drain_zero3_prefetch()  # no step() will drain it, or no backward can follow
+            stage3_prefetch.drain(self)  # [Note: draining ZeRO-3's prefetch]: no step() or backward will
         return self._wrap_forward_outputs(self.module, outputs, before)
 
     def _wrap_forward_outputs(self, module, outputs, zero3_before):
@@ -152,12 +153,9 @@ class MultiEngine(DeepSpeedEngine):
             return
         if first_in_task and len(record.graph_tasks) > 1:
             stage3_counters.rearm(record.zero3_armed)
-        if not self.trains and self._leftovers_task != task:
-            # A frozen ZeRO-3 engine runs no optimizer epilogue, whose last act releases the
-            # submodules whose post-backward release never fired (a module called twice in one
-            # forward); without it they stay gathered and a later release refuses to free them.
+        if not self.trains and self._leftovers_task != task:  # a frozen engine runs no optimizer epilogue
             self._leftovers_task = task
-            graph.at_end_of_backward(self._after_frozen_zero3_backward)
+            graph.at_end_of_backward(lambda: stage3_prefetch.after_frozen_backward(self))
         if create_graph:
             raise RuntimeError(
                 f"MultiEngine ({self._engine_name()}, ZeRO stage 3): backward with create_graph=True (double "
@@ -251,6 +249,11 @@ class MultiEngine(DeepSpeedEngine):
         """True when the next step() applies an update (end of the window, or the caller's boundary)."""
         return user_boundary.is_update_boundary(self)
 
+    def generation_mode(self):
+        """A context manager: the module over whole parameters, without ZeRO-3's per-module gathers, under
+        no_grad; its parameters partitioned again at the exit ([Note: generation from a ZeRO-3 engine])."""
+        return stage3_generation.generation_mode(self)
+
     def set_gradient_accumulation_boundary(self, is_boundary):
         user_boundary.set_boundary(self, is_boundary)  # [Note: a boundary set by the caller]
 
@@ -279,7 +282,7 @@ class MultiEngine(DeepSpeedEngine):
                                "optimizer, so step() has nothing to update. Pass optimizer=... (or an \"optimizer\" "
                                "config section) to deepspeed_multi.initialize to train it.")
         self._check_can_step("step()")
-        self._drain_zero3_prefetch()
+        stage3_prefetch.drain(self)
         if not self.is_update_boundary():
             self._window_micro_steps += 1
             self.micro_steps += 1
@@ -356,13 +359,6 @@ class MultiEngine(DeepSpeedEngine):
                        self._engine_name())
         self.zero_grad()
 
-    def _after_frozen_zero3_backward(self):
-        self.optimizer.release_backward_leftovers()
-        self._drain_zero3_prefetch()
-
-    def _drain_zero3_prefetch(self):
-        stage3_prefetch.drain(self)  # [Note: draining ZeRO-3's prefetch]
-
     def _skip_update(self):
         """Drop this window's gradients without updating, as DeepSpeed does on an fp16 overflow."""
         if self.fp16_enabled():
@@ -390,7 +386,7 @@ class MultiEngine(DeepSpeedEngine):
         hand_back.refuse_if_destroyed(self, "zero_grad()")
         misuse.refuse_inside_backward(self, "zero_grad()")
         self._recover_from_failed_backward()
-        self._drain_zero3_prefetch()
+        stage3_prefetch.drain(self)
         super().zero_grad()
         buffers.discard(self.optimizer)
         if self.skip_group is not None:

@@ -8,7 +8,8 @@ an ``evaluate()`` engine replaced by the training one, a model prepared again. A
 more on the module than DeepSpeed does: the region's forward hooks on every submodule
 (autograd/region.py), the direct-use and skip-group checks on the parameters' gradient
 accumulators, the watchdog's forward hooks, at ZeRO-3 the parameters' names for the
-discarded-write warning (reliability/discarded_writes.py) and, at bf16/fp16 ZeRO-3, the
+discarded-write warning (reliability/discarded_writes.py) and the module's ``generate``
+(zero/stage3_generation.py) and, at bf16/fp16 ZeRO-3, the
 parameters' 16-bit partitions released (zero/stage3_cast_on_gather.py). Left there they would act for the
 destroyed engine inside the new one's forward and backward (its epilogue on freed buckets: an
 IndexError at ZeRO-2), and the new engine would build its partitions from the released
@@ -33,14 +34,14 @@ from . import zero
 from .autograd import outside_use
 from .reliability import discarded_writes, dp_groups, misuse, watchdog
 from .state import TrainingState
-from .zero import stage3_counters
+from .zero import stage3_counters, stage3_generation, stage3_prefetch
 
 logger = logging.getLogger(__name__)
 
 
 def hand_back(engine) -> None:
     """Everything MultiEngine added to ``engine.module`` and this process, taken off (see the Note)."""
-    engine._drain_zero3_prefetch()
+    stage3_prefetch.drain(engine)
     engine._region.remove()
     outside_use.uninstall(engine)
     if engine.skip_group is not None:
@@ -53,6 +54,7 @@ def hand_back(engine) -> None:
     if engine.zero_optimization_stage() == 3:
         stage3_counters.forget(engine.module)
         discarded_writes.forget(engine)
+        stage3_generation.forget(engine)
 
 
 def at_garbage_collection(engine) -> None:

@@ -13,7 +13,7 @@ from .engine import MultiEngine
 from .parts.plan import declared_submodules
 from .reliability import discarded_writes, managed_path
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
-from .zero import block_sizes, stage3_counters, torch_autocast
+from .zero import block_sizes, stage3_counters, stage3_generation, torch_autocast
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _refuse_sequence_parallel_zero0(built[0])
     if built[0].zero_optimization_stage() == 3:
         discarded_writes.install(built[0])  # [Note: writes that GatheredParameters discards]
+        stage3_generation.install(built[0])  # [Note: generation from a ZeRO-3 engine]
     host_memory.release_free_heap()  # [Note: construction's free heap]
     return built
 

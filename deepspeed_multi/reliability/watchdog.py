@@ -36,6 +36,16 @@ store (torch.distributed's default store). When a mark is older than the engine'
 
 So every rank exits non-zero within about ``watchdog_timeout_s`` + 2 * poll + a few seconds.
 
+[Note: a rank that left the others' path]
+A loop of one's own that calls an engine a rank-dependent number of times (a generation loop over a
+ZeRO-3 engine, whose every forward gathers parameters) leaves one rank in a collective that the others
+will never enter: they have finished the program, or wait at the store before another engine's
+collectives. The timeout would name it only after ``watchdog_timeout_s``. So a rank says at the store
+when it is done (at exit) and, while it has to wait at a meeting, where; and the loop, when this rank's
+main thread has sat in a collective for ``_STALLED_S`` inside a marked region, looks for such a rank
+among the engine's group and fails at once, naming both. It costs nothing on the common path: two store
+writes per meeting that waits, one at exit, and store reads only while a rank is stalled.
+
 [Note: the thread stops before the interpreter finalizes]
 Store calls release the GIL. A daemon thread that returns from one while Python is
 finalizing is ended with ``pthread_exit``, whose forced unwinding through pybind11's
@@ -92,6 +102,7 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "dsm_watchdog/"
 _REPORT_GRACE_S = 4.0  # how long a failing rank waits for the other ranks' reports
+_STALLED_S = 5.0  # how long a rank waits in a collective before it asks where the others are
 _EXIT_GRACE_S = 3.0  # how long it waits for every rank to have printed, and rank 0 for the exits
 
 _REGIONS = {
@@ -178,9 +189,12 @@ class EngineWatch:
             # engines (rank_agreement.py): their meetings share one row, so two ranks in different engines'
             # updates pass it and raise there at once instead of waiting for the watchdog.
             n = self.monitor.count_shared_meeting(ranks)
-            self.monitor.meet(f"meet/zero01-step/{group_key(ranks)}", len(ranks) * n)
+            self.monitor.meet(f"meet/zero01-step/{group_key(ranks)}", len(ranks) * n, self.label(what))
             return
-        self.monitor.meet(f"meet/{self.index}/{what}/{ranks[0]}", len(ranks) * n)
+        self.monitor.meet(f"meet/{self.index}/{what}/{ranks[0]}", len(ranks) * n, self.label(what))
+
+    def label(self, what):
+        return f"MultiEngine ({self.name}, ZeRO stage {self.stage})'s {_REGIONS.get(what, what)}"
 
     def _end_of_graph_task(self):
         engine = self.engine()
@@ -271,6 +285,20 @@ def _backward_running() -> bool:
     return False
 
 
+def _main_thread_in_collective() -> bool:
+    """Is the main thread blocked inside a collective: its innermost Python frames in torch.distributed or
+    deepspeed.comm, or in a ``wait`` of a collective's handle?"""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    for _ in range(4):
+        if frame is None:
+            return False
+        name = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" in name or "/deepspeed/comm/" in name or frame.f_code.co_name == "wait":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _main_thread_location():
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
@@ -310,6 +338,7 @@ class _Monitor(threading.Thread):
         self.outside = None  # the OutsideWatch, once an engine's ranks meet
         self.shared_meetings = {}  # a group's ranks -> meetings held at its ZeRO-0/1 updates' shared row
         self.entered = set()  # (engine index, region): regions engines are in that were sequence entries
+        self.waiting = None  # the region whose meeting this rank waits at, while it waits
 
     def add(self, engine, timeout_s, agree=False):
         watch = EngineWatch(engine, timeout_s, self.added, self, agree)
@@ -350,7 +379,13 @@ class _Monitor(threading.Thread):
 
     def stop(self, join_s=10.0):
         """End the loop and wait for it: see [Note: the thread stops before the interpreter finalizes].
-        Then let go of the store, so that it is not destroyed during finalization either."""
+        Then let go of the store, so that it is not destroyed during finalization either. First, say at the
+        store that this rank is done ([Note: a rank that left the others' path])."""
+        try:
+            if self.store_ok and not self._stopping.is_set():
+                self._store_set(f"done/{self.rank}", 1)
+        except Exception:  # noqa: BLE001 - the store's host may have exited already
+            pass
         self._stopping.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(join_s)
@@ -364,6 +399,8 @@ class _Monitor(threading.Thread):
         now = time.monotonic()
         for watch in self._live():
             for what, t0 in list(watch.marks.items()):
+                if _STALLED_S < now - t0 <= watch.timeout_s and (self.waiting or _main_thread_in_collective()):
+                    self._fail_if_peer_left(watch, what, now - t0)
                 if now - t0 > watch.timeout_s:
                     if what == "backward" and not _backward_running():
                         # A backward that raised never runs its final callbacks: the mark is stale.
@@ -373,6 +410,24 @@ class _Monitor(threading.Thread):
                                 "what": what, "waited_s": round(now - t0, 1), "timeout_s": watch.timeout_s})
         if self._store_check("failed"):
             self._fail(None)
+
+    def _fail_if_peer_left(self, watch, what, waited_s):
+        """This rank has waited in a collective of ``watch``'s engine for a while: fail now if a rank of the
+        engine's group is done with the program or waits at the store before another region (see the Note)."""
+        engine = watch.engine()
+        ranks = getattr(engine, "_dsm_dp_ranks", None) or range(self.world)
+        for r in ranks:
+            if r == self.rank:
+                continue
+            if self._store_check(f"done/{r}"):
+                where = "has finished the program"
+            elif self._store_check(f"waiting/{r}") and self._store_get(f"waiting/{r}") not in (None, self.waiting):
+                where = f"waits at the store before {self._store_get(f'waiting/{r}')}"
+            else:
+                continue
+            self._fail({"rank": self.rank, "index": watch.index, "name": watch.name, "stage": watch.stage,
+                        "what": what, "waited_s": round(waited_s, 1), "timeout_s": watch.timeout_s,
+                        "peer": {"rank": r, "where": where}, "at_meeting": self.waiting is not None})
 
     # ------------------------------------------------------------ the store
     def _get_store(self):
@@ -405,14 +460,31 @@ class _Monitor(threading.Thread):
             self.sequences[ranks] = RegionSequence()
         return self.sequences[ranks]
 
-    def meet(self, key, target):
+    def meet(self, key, target, label=None):
         """Count this rank in at ``key`` and poll until the count reaches ``target`` (no deadline: the
-        caller is inside a marked region, which the loop above ends when it goes stale)."""
-        got, delay = self._store_add(key, 1), 1e-4
-        while got < target:
-            time.sleep(delay)
-            delay = min(2 * delay, 0.01)
-            got = self._store_add(key, 0)
+        caller is inside a marked region, which the loop above ends when it goes stale). A rank that has to
+        wait says where at the store while it waits ([Note: a rank that left the others' path])."""
+        try:
+            got, delay = self._store_add(key, 1), 1e-4
+            if got >= target:
+                return
+            self._store_set(f"waiting/{self.rank}", label)
+            self.waiting = label
+            try:
+                while got < target:
+                    time.sleep(delay)
+                    delay = min(2 * delay, 0.01)
+                    got = self._store_add(key, 0)
+            finally:
+                self.waiting = None
+                self._store_set(f"waiting/{self.rank}", None)
+        except torch.distributed.DistError as e:
+            raise RuntimeError(
+                f"deepspeed_multi watchdog (rank {self.rank}): this rank waits at the rendezvous store to enter "
+                f"{label}, but the store is gone ({e}): the process that hosts it (rank 0 under a plain env:// launch, "
+                "torchrun's agent otherwise) has exited, having finished the program or died, while this rank still "
+                "runs the engine. A rank-dependent number of calls of the engine? See the watchdog's message on the "
+                "other ranks.") from e
 
     def _wait_count(self, key, target, grace_s):
         deadline = time.monotonic() + grace_s
@@ -447,14 +519,16 @@ class _Monitor(threading.Thread):
         except Exception:  # noqa: BLE001 - the store is gone: report what this rank knows
             failures = [failure] if failure is not None else []
             reports.setdefault(self.rank, self._report())
-        members = {}
+        members, done = {}, set()
         try:
             for r in range(self.world):
                 if r not in reports and self._store_check(f"member/{r}"):
                     members[r] = self._store_get(f"member/{r}")
+                if r not in reports and self._store_check(f"done/{r}"):
+                    done.add(r)
         except Exception:  # noqa: BLE001
             pass
-        message = format_message(failures, reports, self.world, self.rank, members, cause)
+        message = format_message(failures, reports, self.world, self.rank, members, cause, done)
         os.write(2, (message + "\n").encode(errors="replace"))
         answering = max(len(reports), 1)  # lost ranks will neither print nor exit here: not waited for
         try:
@@ -517,10 +591,22 @@ def _span(ranks):
     return ", ".join(str(r) for r in ranks)
 
 
-def format_message(failures, reports, world, rank, members=None, cause=None):
-    """The error every rank prints: which ranks are lost, which engine, where each rank is, what to do."""
+def format_message(failures, reports, world, rank, members=None, cause=None, done=()):
+    """The error every rank prints: which ranks are lost, which engine, where each rank is, what to do.
+    ``done``: ranks that said at the store they finished the program (not lost: see [Note: a rank that left
+    the others' path])."""
     lines = []
-    lost = [r for r in range(world) if r not in reports]
+    if done and not failures:
+        waiting = [f"{e['name']} {what}" for rep in reports.values() for e in rep.get("engines", []) for what in e["in"]]
+        lines.append(
+            f"deepspeed_multi watchdog (rank {rank}): ranks {_span(sorted(done))} finished the program while rank "
+            f"{rank} was still in a collective with them" + (f" ({', '.join(waiting)})" if waiting else "")
+            + (f": {cause}" if cause else "") + ". They left the engine's path: a rank-dependent number of calls of "
+            "the engine (a generation loop of your own over a ZeRO-3 engine)? Give every rank the same number of "
+            "calls, or generate inside engine.generation_mode(), or through Transformers' generate(), which a ZeRO-3 "
+            "MultiEngine keeps in step. Stopping every rank.")
+        return "\n".join(lines)
+    lost = [r for r in range(world) if r not in reports and r not in done]
     some_lost = bool(lost) and len(lost) < world
     if some_lost:
         members = members or {}
@@ -547,6 +633,16 @@ def format_message(failures, reports, world, rank, members=None, cause=None):
             f"deepspeed_multi watchdog (rank {rank}): rank {f['rank']} waited {f['waited_s']} s to run {_where(f)}, "
             f"more than watchdog_timeout_s={f['timeout_s']:g}: the other ranks of its group went elsewhere. "
             "Stopping every rank.")
+    elif failures and "peer" in failures[0]:
+        f, peer = failures[0], failures[0]["peer"]
+        lines.append(
+            f"deepspeed_multi watchdog (rank {rank}): rank {f['rank']} has waited {f['waited_s']} s "
+            f"{'at the store before' if f.get('at_meeting') else 'in'} {_where(f)}, "
+            f"and rank {peer['rank']} {peer['where']}: it left this engine's path, so the collective can never "
+            "complete. A rank-dependent number of calls of the engine (a generation loop of your own over a ZeRO-3 "
+            "engine, whose every forward gathers parameters)? Give every rank the same number of calls, or generate "
+            "inside engine.generation_mode() (no collective until it ends), or through Transformers' generate(), "
+            "which a ZeRO-3 MultiEngine keeps in step. Stopping every rank.")
     elif failures:
         f = failures[0]
         lines.append(

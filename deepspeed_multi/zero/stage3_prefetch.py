@@ -21,3 +21,12 @@ def drain(engine) -> None:
         coordinator = stage3_joined_fetch.coordinator_of(engine.optimizer)
         coordinator._clean_inflight_param_registry()
         stage3_joined_fetch.release_pending(coordinator)  # [Note: one fetch for several engines' forwards]
+
+
+def after_frozen_backward(engine) -> None:
+    """The end of a backward through a frozen ZeRO-3 engine: what the optimizer epilogue it lacks would do.
+
+    That epilogue's last act releases the submodules whose post-backward release never fired (a module
+    called twice in one forward); without it they stay gathered and a later release refuses to free them."""
+    engine.optimizer.release_backward_leftovers()
+    drain(engine)

@@ -171,23 +171,35 @@ def _rank_main_to_exit(env, rank, world_size, port, log_dir, rank_setup, fn, arg
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     _freeze_survivors()
     fn(*args, **kwargs)
+    # A program's end: its atexit handlers run, as at a real process's exit (multiprocessing's children skip them).
+    import atexit
+    atexit._run_exitfuncs()
     _destroy_process_groups()
 
 
-def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, rank_setup=None, **kwargs) -> list:
+def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, rank_setup=None, agent_store=False,
+                      **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks until every rank has exited.
 
     For tests of runs that must fail (the watchdog, a killed checkpoint save): returns, by rank,
     ``{"exitcode": int or None (still running at the deadline, then killed), "exited_at": time.time()
     when the parent saw it exit, "log": the rank's whole stdout+stderr}``. An exception in ``fn``
     is not caught: it ends the rank with a non-zero exit code and its traceback in the log.
+    ``agent_store``: the rendezvous store is hosted here, as torchrun's agent hosts it, so it outlives
+    every rank (else rank 0 hosts it, as a plain env:// launch does).
     """
     ctx = _context(gpu=False)
     port = free_port()
+    store = None
+    if agent_store:
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
+        kwargs_env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    else:
+        kwargs_env = {}
     log_dir = tempfile.mkdtemp(prefix="dsm_ranks_")
     procs = [ctx.Process(target=_rank_main_to_exit,
-                         args=(dict(os.environ), r, world_size, port, log_dir, rank_setup, fn, args, kwargs),
-                         daemon=True) for r in range(world_size)]
+                         args=(dict(os.environ, **kwargs_env), r, world_size, port, log_dir, rank_setup, fn, args,
+                               kwargs), daemon=True) for r in range(world_size)]
     _start(procs, gpu=False)
     deadline = time.monotonic() + timeout_s
     exited_at = {}
@@ -203,6 +215,7 @@ def run_ranks_to_exit(fn, *args, world_size: int = 2, timeout_s: float = 120, ra
     out = [{"exitcode": procs[r].exitcode if r in exited_at else None, "exited_at": exited_at.get(r),
             "log": _tail(os.path.join(log_dir, f"rank{r}.log"), n=10**6)} for r in range(world_size)]
     shutil.rmtree(log_dir, ignore_errors=True)
+    del store  # (the agent's store goes once every rank has gone)
     return out
 
 

@@ -106,3 +106,32 @@ def test_rank_runs_a_collective_outside_the_engines(stage):
         assert re.search(r"^  rank 0 \(.*\): (in deepspeed.comm all_reduce for|in no engine's collective region; "
                          r"main thread at \S+ all_reduce)", x["log"], re.M), logs
         assert re.search(r"^  rank 1 \(.*\): in (Actor|Critic) (forward|step) for", x["log"], re.M), logs
+
+
+@pytest.mark.parametrize("then", ["exit", "train"])
+def test_rank_dependent_calls_fail_within_seconds(then):
+    """A ZeRO-3 engine called twice on rank 0 and five times on rank 1 (a generation loop of one's own), then
+    the program ends or a ZeRO-2 update follows: every rank exits within seconds, long before the 120 s
+    timeout, the message naming the engine rank 1 waits in and where rank 0 went."""
+    timeout_s = 120.0
+    ranks = run_ranks_to_exit(checks.rank_dependent_calls, timeout_s, then, world_size=2, timeout_s=150,
+                              agent_store=True)  # (as under torchrun: the store outlives rank 0)
+    logs = "\n".join(f"----- rank {r} (exit {x['exitcode']}) -----\n{x['log'][-3000:]}" for r, x in enumerate(ranks))
+    start = min(float(t) for x in ranks for t in re.findall(r"^DIVERGE ([0-9.]+)$", x["log"], re.M))
+    for r, x in enumerate(ranks):
+        took = x["exited_at"] - start
+        print(f"{then} rank {r}: exit {x['exitcode']} {took:.1f} s after the divergence")
+        if then == "exit" and r == 0:  # rank 0 finished its program; it is rank 1's partner that it left
+            assert "DONE" in x["log"], logs
+            continue
+        assert x["exitcode"] not in (None, 0), f"rank {r} exit code {x['exitcode']}:\n{logs}"
+        assert took <= 20, f"rank {r} took {took:.1f} s to exit:\n{logs}"
+        if then == "exit":  # gloo sees rank 0's connections close, or rank 1 waits for it at a meeting
+            assert re.search(r"ranks 0 finished the program while rank 1 was still in a collective|rank 1 has waited "
+                             r"[0-9.]+ s (in|at the store before) MultiEngine \(Critic, ZeRO stage 3\)'s forward .*and "
+                             r"rank 0 has finished the program", x["log"]), logs
+        else:  # whichever rank's watchdog looks first names the other: each waits where the other never comes
+            assert re.search(r"rank (0|1) has waited [0-9.]+ s (in|at the store before) MultiEngine \((Critic, ZeRO stage 3"
+                             r"\)'s forward|Actor, ZeRO stage 2\)'s backward).*and rank (0|1) waits at the store before "
+                             r"MultiEngine \((Actor|Critic)", x["log"]), logs
+        assert "engine.generation_mode()" in x["log"], logs

@@ -125,3 +125,26 @@ def one_rank_runs_a_collective_of_its_own(stage, timeout_s, steps=8):
 
 def _raise(grad):
     raise ValueError("user hook failed")
+
+
+def rank_dependent_calls(timeout_s, then):
+    """A generation loop of one's own over a frozen ZeRO-3 engine (no Transformers generate): rank 0 calls it
+    twice, rank 1 five times (sequences that end at different lengths), then every rank ``then``: "exit" (the
+    program ends) or "train" (a ZeRO-2 engine's update, whose collectives rank 1 never reaches). Rank 1 waits
+    in the ZeRO-3 engine's parameter gather; the watchdog must end every rank within seconds, long before
+    ``timeout_s``, naming where rank 0 went ([Note: a rank that left the others' path])."""
+    model = Critic(seed=2)
+    cfg = ds_config(3, deepspeed_multi={"watchdog_timeout_s": timeout_s})
+    teacher = deepspeed_multi.initialize(model=model.requires_grad_(False), config=cfg)[0]
+    student = _engine(Actor, 2, timeout_s, 1)
+    x, y = _train(student, student, 2)
+    print(f"DIVERGE {time.time()}", flush=True)
+    with torch.no_grad():
+        for _ in range(2 if dist.get_rank() == 0 else 5):
+            x = teacher(x)
+    if then == "train":
+        ((student(x) - y)**2).mean().backward()
+        student.step()
+        time.sleep(timeout_s + 60)
+        raise AssertionError("the watchdog should have ended this rank")
+    print(f"DONE {time.time()}", flush=True)
