@@ -29,7 +29,7 @@ OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_accelerate.p
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite demo bench test-bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite test-peer-programs demo bench test-bench fuzz clean
 
 setup: $(STAMP)
 
@@ -111,6 +111,21 @@ $(SUITE_PKGS)/.installed: $(STAMP)
 test-deepspeed-suite: setup $(SUITE_PKGS)/.installed
 	@test -n "$(DEEPSPEED_SRC)" || { echo "usage: make test-deepspeed-suite DEEPSPEED_SRC=<a DeepSpeed source checkout>"; exit 2; }
 	$(PY) tools/deepspeed_suite/run.py --deepspeed-src $(DEEPSPEED_SRC) --pytest-packages $(SUITE_PKGS)
+
+# Peer programs, upstream vs ours (tools/peer_programs/run.py, docs/tests.md); not part of `make test`, about
+# 2.5 hours on 2 cores (QUICK=1: one case of each). `make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat`.
+# OpenRLHF is installed, pinned and without its dependencies (ray, vllm, flash-attn: none run here), into a
+# folder of its own; nothing of either program enters this repository or the venv.
+OPENRLHF_SPEC ?= openrlhf==0.11.0
+PEER_PKGS := .venv-peers/openrlhf
+PEER_OUT ?= .venv-peers/results
+$(PEER_PKGS)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(PEER_PKGS) "$(OPENRLHF_SPEC)" torchdata pylatexenc sympy mpmath pillow
+	touch $@
+
+test-peer-programs: setup $(PEER_PKGS)/.installed
+	@test -n "$(DSCHAT_SRC)" || { echo "usage: make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat"; exit 2; }
+	$(PY) tools/peer_programs/run.py --out $(PEER_OUT) --dschat-src $(DSCHAT_SRC) --openrlhf-packages $(PEER_PKGS) $(if $(filter 1,$(QUICK)),--quick)
 
 demo: setup
 	DS_ACCELERATOR=cpu $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py
