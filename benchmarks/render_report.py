@@ -545,6 +545,33 @@ class Report:
             self.headline("TRL DPO, policy ZeRO-2 + reference ZeRO-3", "both at ZeRO-3",
                           f"time {self.fig(z3['time_ours_over_this'])}, memory {self.fig(z3['mem_ours_over_this'])}")
 
+    def generation(self):
+        self.start("Generation from a ZeRO-3 engine",
+                   "greedy `generate()` from a frozen ZeRO-3 engine (`generation.py`): ours in its generation mode "
+                   "(the default: the whole model gathered once, no per-module hooks) and module by module "
+                   "(`generation_gather_bytes: 0`, synced)",
+                   "the same model unsharded on every rank; upstream's ZeRO-3 `module.generate(synced_gpus=True)`, "
+                   "bare and inside `GatheredParameters`", "python benchmarks/generation.py")
+        data = self.result("generation.json")
+        if data is None:
+            return
+        m = data["meta"]
+        self.out(f"Model: a Llama of {self.fig(m.get('params', 0) / 1e6, '.2f')}M parameters ({self.fig(m.get('layers'), 'd')} "
+                 f"layers, width {self.fig(m.get('width'), 'd')}), batch {self.fig(m.get('batch'), 'd')}, "
+                 f"{self.fig(m.get('new_tokens'), 'd')} new tokens; every variant's tokens equal the unsharded model's.", "")
+        by = {r["variant"]: r for r in data["rows"]}
+        base = by["unsharded"]
+        rows = [[r["variant"], self.fig(r["ms"], ".0f"), self.fig(r["tokens_per_s"], ".0f"),
+                 self.ratio(r["raw_ms"], base["raw_ms"]), self.opt(r.get("peak_mb"), ".1f"),
+                 self.opt(self.quotient(r, base), ".2f")] for r in data["rows"]]
+        self.table(["variant", "ms per generate", "tokens/s per rank", "time / unsharded (IQR)", "peak MiB",
+                    "memory / unsharded"], rows)
+        mode = by.get("ours, generation mode")
+        if mode:
+            self.headline("ZeRO-3 generation, generation mode", "the model unsharded",
+                          f"time {self.fig(quartiles(paired(mode['raw_ms'], base['raw_ms']))[1])} "
+                          f"(upstream {self.fig(quartiles(paired(by['upstream']['raw_ms'], base['raw_ms']))[1])})")
+
     def counts(self):
         self.start("What one step issues", "one step of `growth.py`'s towers and of the RLHF step, counted (not timed; "
                    "max over ranks; after eight warm-up steps): collectives, operators dispatched, host syncs, store "
@@ -791,7 +818,7 @@ class Report:
             self.out("The CPU of this run has no bf16 matmul kernels, so its CPU sections are fp32 only; "
                      "[Machines and files](#machines-and-files) says why.", "")
         for claim in (self.overhead, self.fused_path, self.growth, self.peers, self.parts, self.distillation,
-                      self.rlhf, self.dpo, self.counts, self.fused_ops, self.llama_gpu, self.reliability, self.limits,
+                      self.rlhf, self.dpo, self.generation, self.counts, self.fused_ops, self.llama_gpu, self.reliability, self.limits,
                       self.machines):
             claim()
         return "\n".join(self.lines).rstrip() + "\n"
@@ -807,7 +834,7 @@ CLAIMS = ["Single-engine overhead against upstream", "Many small parameters: the
           "Engines in one loss: against the super-module and DeepSpeed's own engines",
           "Encoder to LLM against FSDP2: time and memory by buffer",
           "One model in parts: against whole-model ZeRO-3 and FSDP2", "Distillation", "RLHF step",
-          "TRL DPO: the reference at its own stage", "What one step issues", "Fused ops: CPU and GPU cards",
+          "TRL DPO: the reference at its own stage", "Generation from a ZeRO-3 engine", "What one step issues", "Fused ops: CPU and GPU cards",
           "A Llama on one GPU: ours against upstream", "Watchdog and rank-meeting cost", "Limits and open gaps"]
 
 

@@ -17,7 +17,7 @@ if [ "${QUICK:-0}" = "1" ]; then
     [overhead]="--quick" [overhead_watchdog]="--watchdog" [peers]="--sizes small" [parts]="--sizes small --dtypes fp32"
     [memory_breakdown]="--sizes small --dtypes fp32" [growth]="--engines 1 2 --stages alt --dims"
     [counts]="--engines 2 --stages alt --no-rlhf" [dpo_roles]="--size small"
-    [fused_reduce]="--quick" [fused_reduce_e2e]="--steps 3 --layers 50 --stages 2")
+    [fused_reduce]="--quick" [fused_reduce_e2e]="--steps 3 --layers 50 --stages 2" [generation]="--new-tokens 8")
   # The short run leaves out the slowest extras (two of the three reliability runs, the large-model ZeRO-3 update
   # view and the single-engine features' on/off runs): its report says "not measured" there.
   extras=(overhead_watchdog)
@@ -33,7 +33,7 @@ else
     [overhead_bucket_size]="--bucket-size --dtypes fp32 bf16" [overhead_lazy_grads]="--lazy-grads --dtypes fp32 bf16"
     [overhead_cast_on_gather]="--cast-on-gather --dtypes bf16 --steps 40" [overhead_block_sizes]="--block-sizes --steps 40"
     [overhead_block_floor]="--block-floor --steps 40"
-    [overhead_rank_order]="--rank-order --steps 40")
+    [overhead_rank_order]="--rank-order --steps 40" [generation]="--steps 5 --warmup 1")
   extras=(overhead_watchdog overhead_meet overhead_rank_agreement zero3_grad_view overhead_overflow_by_norm
           overhead_bucket_size overhead_lazy_grads overhead_cast_on_gather overhead_block_sizes overhead_block_floor
           overhead_rank_order)
@@ -57,7 +57,8 @@ run() {  # run <log name> <script> [args...]
   timings+=("$name=$took")
   grep '^RESULT' "$BENCH_RESULTS/$name.txt" >> "$summary" || true
 }
-for b in overhead "${extras[@]}" two_engines distillation rlhf_step peers memory_breakdown parts growth counts dpo_roles; do
+for b in overhead "${extras[@]}" two_engines distillation rlhf_step peers memory_breakdown parts growth counts dpo_roles \
+    generation; do
   case $b in overhead_*) script=overhead ;; *) script=$b ;; esac  # overhead_<feature>: overhead.py --<feature>
   # shellcheck disable=SC2086
   run "$b" "$script" "${common[@]}" ${extra[$b]:-} "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU list on a machine with ONE GPU, in phases sized for a 10-minute lease call:
 #   benchmarks/run_gpu.sh OUT kernels [matrix] [engines] [cuda] [api] [lazy] [memory] [bench] [trainer] [llama]
-#                        [features]
+#                        [features] [generation]
 #     kernels: tests/unit (the CUDA kernels against the reference), the fused-op microbenchmark
 #     cuda:    the CUDA unit tests alone (a shorter kernels)
 #     bench:   the bf16 fused-op microbenchmark alone
@@ -13,6 +13,8 @@
 #              deterministic kernels so that the bit-identical resume checks mean something
 #     llama:   benchmarks/llama_gpu.py: ours vs upstream on a 0.37B Llama (one engine ZeRO 1-3, distillation),
 #              each variant in its own process, and a profiler trace of one step of ours
+#     generation: benchmarks/generation.py on one rank: ZeRO-3 generation with and without the generation mode
+#              against the same model unsharded and upstream's module.generate
 #     features: benchmarks/gpu_features.py: SuperOffload and DeepCompile under upstream (ours refuses them by
 #              name) and torch_autocast bf16/fp16 ours vs upstream, one rank
 #     engines: the fused matrix and the step tests on one rank under NCCL; the end-to-end
@@ -124,7 +126,11 @@ for phase in $PHASES; do
       step llama "${LLAMA_SECONDS:-300}" "$PY" benchmarks/llama_gpu.py --rounds "${LLAMA_ROUNDS:-2}" --trace \
         ${LLAMA_STAGES:+--stages $LLAMA_STAGES}
       ;;
-    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench, trainer, llama, features)"; exit 2 ;;
+    generation)
+      step generation "${GENERATION_SECONDS:-240}" env BENCH_WORLD_SIZE=1 BENCH_RESULTS="$WORK/results" \
+        "$PY" benchmarks/generation.py --steps 5 --warmup 1
+      ;;
+    *) echo "unknown phase $phase (kernels, matrix, engines, cuda, api, lazy, memory, bench, trainer, llama, features, generation)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu-$PHASE.tar.gz" -C "$WORK" . && echo "packed $OUT/gpu-$PHASE.tar.gz"
