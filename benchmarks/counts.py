@@ -3,7 +3,7 @@
 On a GPU every collective and every kernel launch is a fixed latency, and every host sync stalls
 the launch queue, so these counts predict what the CPU box cannot time. One step is counted after
 eight warm-up steps (ZeRO-3 records its trace in the first two; the third is the first joined
-fetch's, whose parameter set the ranks compare once: zero/stage3_joined_fetch.py; the ranks stop
+fetch's, whose parameter set the ranks compare once: zero/stage3/joined_fetch.py; the ranks stop
 meeting at the store once the loop's regions repeat, after 16 regions and one step: reliability/
 region_sequence.py), on every rank,
 by a ``TorchDispatchMode`` that sees every operator below autograd (forward, backward and the

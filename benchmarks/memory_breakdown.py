@@ -93,7 +93,7 @@ class _Ledger:
     def walk(self, obj, category, detail="", depth=0):
         import torch
 
-        from deepspeed_multi.zero.stage3_lazy_grads import LazyGradPartitions
+        from deepspeed_multi.zero.stage3.lazy_grads import LazyGradPartitions
         if isinstance(obj, torch.Tensor):
             self.add(obj, category, detail)
             ds = getattr(obj, "ds_tensor", None)

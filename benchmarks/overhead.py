@@ -132,10 +132,10 @@ def main():
     ap.add_argument("--bucket-size", action="store_true",
                     help="ours with the bucket buffers sized for the engine (zero/bucket_size.py) on vs off")
     ap.add_argument("--lazy-grads", action="store_true",
-                    help="ours with ZeRO-3's gradient partitions allocated per window (zero/stage3_lazy_grads.py) on vs off")
+                    help="ours with ZeRO-3's gradient partitions allocated per window (zero/stage3/lazy_grads.py) on vs off")
     ap.add_argument("--cast-on-gather", action="store_true",
                     help="ours with bf16 ZeRO-3's partition cast from the master at each gather "
-                    "(zero/stage3_cast_on_gather.py) on vs off (use --dtypes bf16)")
+                    "(zero/stage3/cast_on_gather.py) on vs off (use --dtypes bf16)")
     ap.add_argument("--block-sizes", action="store_true",
                     help="ours with the sizes a config leaves unset taken from the model's block (zero/block_sizes.py) "
                     "on vs off (DeepSpeed's defaults)")
@@ -143,7 +143,7 @@ def main():
                     help="ours with small blocks grouped up to min_block_elements (the default) vs per block "
                     "(min_block_elements=0, FSDP2's granularity)")
     ap.add_argument("--rank-order", action="store_true",
-                    help="ours with ZeRO-3's bucket laid out in the reduce-scatter's rank order (zero/stage3_rank_order.py) "
+                    help="ours with ZeRO-3's bucket laid out in the reduce-scatter's rank order (zero/stage3/rank_order.py) "
                     "on vs off (packed at each flush)")
     ap.add_argument("--overflow-by-norm", action="store_true",
                     help="ours with the ZeRO-1/2 norm deciding overflow vs DeepSpeed's flag collective (see above)")

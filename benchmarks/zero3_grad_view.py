@@ -1,4 +1,4 @@
-"""ZeRO-3's update with the gradient buffer as a view (zero/stage3_grad_view.py) against DeepSpeed's flattened copy.
+"""ZeRO-3's update with the gradient buffer as a view (zero/stage3/grad_view.py) against DeepSpeed's flattened copy.
 
 One ZeRO-3 model (the LLM of peers.py at its large size: 8 blocks of width 512, 25M parameters),
 fp32, AdamW, built three times side by side in the same 2 ranks and stepped interleaved:

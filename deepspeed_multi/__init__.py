@@ -4,13 +4,14 @@
 
 is a drop-in for ``deepspeed.initialize``; the engine is a :class:`MultiEngine`.
 """
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, remove_checkpoint, save_checkpoint
 from .engine import MultiEngine
 from .initialize import initialize
 from .integrations.zero_init import zero_init
 from .state import TrainingState
 
-__all__ = ["MultiEngine", "TrainingState", "initialize", "load_checkpoint", "report", "save_checkpoint", "zero_init"]
+__all__ = ["MultiEngine", "TrainingState", "initialize", "load_checkpoint", "remove_checkpoint", "report", "save_checkpoint",
+           "zero_init"]
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it from this line (a literal, without importing)
 
 

@@ -77,7 +77,7 @@ def _drop_overlap_below_stage2(config: dict, stage: int) -> bool:
     the boundary's; a MultiEngine reduces at ``step()``, the one moment it knows. So the key is
     dropped below stage 2 and the engine keeps upstream's updates (the drop-in rows of
     tests/multi_gpu/drop_in_checks.py compare them bit for bit), reducing in the order upstream's
-    hooks would (zero/stage1_overlap_order.py); what is lost is the overlap of that one reduction with
+    hooks would (zero/stage12/overlap_order.py); what is lost is the overlap of that one reduction with
     the last backward. DeepSpeed-Chat and axolotl ship the key at every stage. Returns whether the
     config asked for it."""
     zero = config.get("zero_optimization")
@@ -93,39 +93,52 @@ OPTIONS_KEY = "deepspeed_multi"
 
 @dataclass
 class MultiOptions:
-    """Our own options, under the config key "deepspeed_multi" (removed before DeepSpeed sees it).
+    """Our own options, under the config key ``"deepspeed_multi"`` (removed before DeepSpeed sees it).
 
-    fused_reduce: use the fused gradient-bucket ops (deepspeed_multi.ops) in the ZeRO-2/3
-        reduction path; the pure-PyTorch reference runs where no compiler is available.
-    skip_group: engines with the same name skip their updates together when any of them has
-        non-finite gradients (see skip_group.py).
-    watchdog_timeout_s: a rank that spends longer than this in one of the engine's collective
-        regions (ZeRO-3 forward, ZeRO-2/3 backward, step) fails every rank with an error naming
-        the engine (see watchdog.py); 0 turns the watchdog off.
-    agree_before_collectives: before the collectives of a ZeRO-3 forward, a ZeRO-2/3 backward and
-        an update, the ranks of the engine's data-parallel group meet at the rendezvous store (not
-        the process group) wherever the loop's recent regions do not predict the region, so a rank
-        that left the loop's path waits there, where the watchdog names the engine, instead of
-        entering another engine's collective (gloo aborts on mismatched sizes before the watchdog
-        can act; see [Note: ranks meet before an engine's collectives] in watchdog.py and
-        region_sequence.py). None (the default): on with gloo, off with NCCL (a mismatch there
-        hangs, and the watchdog names it). Needs the watchdog on.
-    direct_use_check_updates: during the engine's first N updates, a backward pass in which a
-        parameter receives gradient both from inside the engine's region and from a direct use
-        outside it raises (see _outside_use.MixedUseCheck); -1 checks always, 0 never.
-    min_block_elements: bucket and prefetch sizes the config leaves unset are the model's block's,
-        grouped into as many whole blocks as fit in this many elements, and this many for a model
-        no larger (see [Note: sizes from the model's block]); 0 sizes them by the block alone.
-    generation_gather_bytes: the most bytes of whole parameters a ZeRO-3 engine's ``generate()`` gathers at
-        once to run without per-module gathers (``engine.generation_mode()``; [Note: generation from a
-        ZeRO-3 engine]); None (the default): no bound, the whole model, as TRL gathers it; 0: never, each
-        forward gathers module by module with ``synced_gpus`` on.
-    allow_mixed_dp_groups: allow one backward pass to reach this engine and engines on other
-        data-parallel groups (another ``mpu``); every engine of that backward must allow it.
-        Right only when the data is replicated across each model-parallel group, so that every
-        engine's data-parallel average is the same average (see dp_groups.check_dp_groups). Not
-        needed beside an AutoTP engine (``tensor_parallel.autotp_size``), whose groups DeepSpeed
-        builds: [Note: AutoTP engines beside engines without tensor parallelism].
+    docs/options.md's table of config keys is generated from these attributes (their types, defaults and
+    the descriptions below: tools/docs/reference.py), in Markdown, as that page shows them.
+
+    Attributes:
+        fused_reduce: fused ops in the ZeRO-1/2/3 reduction path, each bit-identical to DeepSpeed's own:
+            the pack of a bucket's gradients before the reduction (ZeRO-1/2, `zero/stage12/bucket_pack.py`),
+            the interleaved reduce-scatter input with its pre-divide (ZeRO-3, `zero/stage3/scatter.py`) and
+            the copy-back after the reduction (ZeRO-1/2 `zero/stage12/reduce.py`, ZeRO-3
+            `zero/stage3/partition.py`); the pure-PyTorch reference runs where no compiler is available.
+        skip_group: engines with the same name skip their update together when any of them has inf/nan
+            gradients (RLHF actor + critic); fp16 members lower their loss scale as on an overflow.
+        watchdog_timeout_s: a rank stuck longer than this many seconds in one of the engine's collective
+            regions (ZeRO-3 forward, backward, `step()`) fails every rank with an error naming the engine; 0
+            turns it off. The budget covers the region's compute too.
+        agree_before_collectives: before the collectives of a ZeRO-3 forward, a ZeRO-2/3 backward and an
+            update, the ranks of the engine's data-parallel group meet at the rendezvous store wherever the
+            loop's recent regions do not predict the region (a loop stops meeting once its regions repeat), so
+            a rank that left the loop's path (skipped an engine, entered another engine's collective, ran a
+            collective of its own through `deepspeed.comm`) waits where the watchdog names it instead of
+            entering another engine's collective (gloo aborts on mismatched sizes, naming nothing). Null (the
+            default): on with gloo, off with NCCL. Needs the watchdog on. Cost: within noise (on/off 1.006 and
+            0.997 at ZeRO-2/3 on 2 CPU ranks, inside their interquartile ranges, on/upstream 0.946 and 0.977;
+            `overhead.py --meet`, [PERFORMANCE.md](../benchmarks/PERFORMANCE.md#watchdog-and-rank-meeting-cost)).
+            The ZeRO-0/1 updates of a group share one meeting row, so their rank agreement names both engines
+            at once ([Note: ranks meet before an engine's collectives] in watchdog.py).
+        direct_use_check_updates: during the engine's first N updates, a backward in which a parameter gets
+            gradient both through the engine and from a direct use outside it raises when the engine's
+            gradient scale is not 1 (see [Limits](limits.md)); -1 checks always, 0 never.
+        min_block_elements: the bucket, prefetch and sub-group sizes a config leaves unset are the model's
+            block's, smaller blocks grouped into as many whole blocks as fit in this many elements (16 MiB in
+            fp32), and this many for a model no larger; ZeRO-3's live parameters are one of the model's own
+            blocks (one element more for a block that is one layer, so the next is prefetched beside it), at
+            least one grouped size: each bucket is a collective, whose fixed cost a smaller one does not
+            amortize; 0 sizes by the block alone (as FSDP2's per-block sharding does); see `DSM_BLOCK_SIZES`
+            and `zero/block_sizes.py` ([Note: sizes from the model's block]).
+        generation_gather_bytes: the most bytes of whole parameters a ZeRO-3 engine's `generate()` gathers
+            at once to run without per-module gathers (`engine.generation_mode()`,
+            [Generation](generation.md)); null (the default): no bound, the whole model, as TRL gathers it; 0:
+            never, each forward gathers module by module with `synced_gpus` on.
+        allow_mixed_dp_groups: true on every engine of a loss lets one backward reach engines on different
+            data-parallel groups (different `mpu`); right only when the data is replicated across each
+            model-parallel group, so that every engine's data-parallel average is the same average (see
+            [Misuse](limits.md#misuse)). Not needed beside an AutoTP engine (`tensor_parallel.autotp_size`),
+            whose groups DeepSpeed builds ([Note: AutoTP engines beside engines without tensor parallelism]).
     """
     fused_reduce: bool = True
     skip_group: Optional[str] = None
@@ -136,7 +149,7 @@ class MultiOptions:
     min_block_elements: int = 1 << 22
     generation_gather_bytes: Optional[int] = None
     # Set by prepare_engine_config, not a user option: the config asked for overlap_comm at ZeRO-1, which
-    # DeepSpeed does not see; the update reduces in upstream's order (zero/stage1_overlap_order.py).
+    # DeepSpeed does not see; the update reduces in upstream's order (zero/stage12/overlap_order.py).
     zero1_overlap_comm: bool = field(default=False, init=False, repr=False)
 
     @classmethod

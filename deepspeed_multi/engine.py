@@ -19,13 +19,17 @@ from .autograd.boundary import wrap_inputs, wrap_outputs
 from .autograd.region import Region
 from .autograd.tree import tree_tensors
 from .config import MultiOptions
-from .reliability import dp_groups, managed_path, misuse, watchdog
+from .reliability import dp_groups, managed_path, misuse, update_paths, watchdog
 from .reliability.rank_agreement import RankAgreement
 from .reliability.skip_group import SkipGroup
 from .state import TrainingState
 from .switches import CHECK_RANK_AGREEMENT, switch_on
-from .zero import (buffers, stage3_counters, stage3_generation, stage3_prefetch, stage3_release_between,
-                   stage12_bucket_pack)
+from .zero import buffers
+from .zero.stage12 import bucket_pack as stage12_bucket_pack
+from .zero.stage3 import counters as stage3_counters
+from .zero.stage3 import generation as stage3_generation
+from .zero.stage3 import prefetch as stage3_prefetch
+from .zero.stage3 import release_between as stage3_release_between
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,8 @@ class MultiEngine(DeepSpeedEngine):
 
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
+        """``DeepSpeedEngine.forward`` with boundary nodes on the inputs and outputs, where a plain
+        ``loss.backward()`` runs DeepSpeed's backward prologue and epilogue. Refused after :meth:`destroy`."""
         hand_back.refuse_if_destroyed(self, "forward()")
         self._recover_from_failed_backward()
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
@@ -132,6 +138,7 @@ class MultiEngine(DeepSpeedEngine):
     # ---------------------------------------------------------------- backward hooks
     @property
     def has_optimizer(self) -> bool:
+        """True when the engine was built with an optimizer (a ZeRO-3 engine without one is frozen)."""
         # ZeRO-3 without an optimizer still gets a DeepSpeedZeRoOffload (parameter management only).
         return self.optimizer is not None and not isinstance(self.optimizer, DeepSpeedZeRoOffload)
 
@@ -141,6 +148,12 @@ class MultiEngine(DeepSpeedEngine):
         return self.has_optimizer and bool(self._trainable_params)
 
     def grad_scale_factor(self) -> float:
+        """The factor the engine applies to the gradient entering its outputs.
+
+        Returns:
+            float: 1/``gradient_accumulation_steps`` (1 where the caller divides the loss itself: the
+            Trainer, Lightning), times the fp16 loss scale where the engine scales the loss.
+        """
         return grad_scale.factor(self)
 
     def _before_output_backward(self, record, create_graph: bool):
@@ -157,11 +170,7 @@ class MultiEngine(DeepSpeedEngine):
             self._leftovers_task = task
             graph.at_end_of_backward(lambda: stage3_prefetch.after_frozen_backward(self))
         if create_graph:
-            raise RuntimeError(
-                f"MultiEngine ({self._engine_name()}, ZeRO stage 3): backward with create_graph=True (double "
-                "backward, e.g. a gradient penalty from torch.autograd.grad) is not supported; ZeRO-3 partitions "
-                "the parameters that the double backward needs as soon as the first backward leaves them. Use "
-                "ZeRO stage <= 2 for this engine.")
+            misuse.refuse_double_backward_at_zero3(self)
 
     def _engine_name(self) -> str:
         return getattr(self, "_part_name", None) or type(self.module).__name__  # (parts/build.py names parts)
@@ -220,9 +229,20 @@ class MultiEngine(DeepSpeedEngine):
 
     # ---------------------------------------------------------------- user API
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        """Old single-engine API: same as ``loss.backward()``; returns ``loss / gas`` like DeepSpeed.
+        """The single-engine API: the same as ``loss.backward()``, returning what DeepSpeed returns.
 
-        The 1/gas scale is applied at the engine boundary, so ``scale_wrt_gas=False`` is refused, not ignored.
+        Args:
+            loss (torch.Tensor): the scalar to backpropagate, through this engine and any other.
+            retain_graph (bool): passed to ``loss.backward``.
+            scale_wrt_gas (bool): must be True: the engine divides by its ``gradient_accumulation_steps``
+                at its boundary, so False is refused rather than ignored.
+
+        Returns:
+            torch.Tensor: ``loss / gradient_accumulation_steps``, as ``DeepSpeedEngine.backward``.
+
+        Raises:
+            ValueError: ``scale_wrt_gas=False``.
+            RuntimeError: the same ``loss`` was backpropagated through ``engine.backward`` before.
         """
         if not scale_wrt_gas:
             raise ValueError("MultiEngine.backward(scale_wrt_gas=False) is not supported: the engine divides by "
@@ -234,32 +254,52 @@ class MultiEngine(DeepSpeedEngine):
         return loss / self.gradient_accumulation_steps()
 
     def scale(self, loss):
-        """Kept for old code: the boundary applies the loss scale, so this returns ``loss`` unchanged."""
+        """Kept for old code: the boundary applies the loss scale.
+
+        Args:
+            loss (torch.Tensor): the loss.
+
+        Returns:
+            torch.Tensor: ``loss``, unchanged.
+        """
         return loss
 
-    def _check_can_step(self, what):
-        hand_back.refuse_if_destroyed(self, what)
-        misuse.refuse_inside_backward(self, what)
-        if self._state is TrainingState.IN_BACKWARD:
-            raise RuntimeError(f"MultiEngine ({self._engine_name()}): {what} called after a backward pass through "
-                               "this engine failed part way; call engine.zero_grad() to discard its partial "
-                               "gradients, then run it again.")
-
     def is_update_boundary(self) -> bool:
-        """True when the next step() applies an update (end of the window, or the caller's boundary)."""
+        """Whether the next :meth:`step` applies an update.
+
+        Returns:
+            bool: True at the end of the engine's ``gradient_accumulation_steps`` window, or where the caller
+            set the boundary (:meth:`set_gradient_accumulation_boundary`, the Trainer, Lightning).
+        """
         return user_boundary.is_update_boundary(self)
 
     def generation_mode(self):
-        """A context manager: the module over whole parameters, without ZeRO-3's per-module gathers, under
-        no_grad; its parameters partitioned again at the exit ([Note: generation from a ZeRO-3 engine])."""
+        """The module over whole parameters, for generation between updates (ZeRO-3).
+
+        Every parameter is gathered once and ZeRO-3's per-module hooks are off for the duration, under
+        ``torch.no_grad()``; at the exit the parameters are partitioned again. Entering it is a collective
+        of the engine's data-parallel group. It may be entered inside an accumulation window: pending
+        gradients, partitions and optimizer state are untouched (docs/generation.md).
+
+        Returns:
+            A context manager whose ``__enter__`` gives the module. At stages 0-2 it only runs the module
+            under ``torch.no_grad()``.
+        """
         return stage3_generation.generation_mode(self)
 
     def set_gradient_accumulation_boundary(self, is_boundary):
+        """Set whether the next :meth:`step` updates (DeepSpeed's API; [Note: a boundary set by the caller]).
+
+        Args:
+            is_boundary (bool): True: the next ``step()`` updates, whatever the window's count.
+        """
         user_boundary.set_boundary(self, is_boundary)  # [Note: a boundary set by the caller]
 
     @contextmanager
     def no_sync(self):
-        """Accepted at every stage; gradients stay exactly right inside it. Stages 0/1 reduce only at
+        """DeepSpeed's ``no_sync``, accepted at every stage; gradients stay exactly right inside it.
+
+        Stages 0/1 reduce only at
         the update ([Note: who owns the gradient-accumulation boundary]): DeepSpeed's no_sync there.
         Stages 2/3 must reduce-scatter in each backward; inside it they still do (saves nothing)."""
         if self.zero_optimization_partition_gradients():
@@ -269,6 +309,7 @@ class MultiEngine(DeepSpeedEngine):
                 yield
 
     def allreduce_gradients(self, *args, **kwargs):
+        """DeepSpeed's reduction at ZeRO-0/1, on the engine's own data-parallel group, at the update only."""
         if not self._agreement_in_pack:
             self._rank_agreement.finish()  # before the first gradient collective (rank_agreement.py)
         with dp_groups.own_dp_group(self), user_boundary.reduction(self) as reduce:  # (ZeRO-0: own group)
@@ -277,11 +318,23 @@ class MultiEngine(DeepSpeedEngine):
 
     @watchdog.watched("step")
     def step(self, lr_kwargs=None):
+        """End one micro-step; at the update boundary, reduce (ZeRO-0/1), clip and update, as DeepSpeed.
+
+        Off the boundary only the micro-step counters advance; a window no backward reached advances the
+        counters and the LR schedule only ([Note: step() with no gradients]).
+
+        Args:
+            lr_kwargs (dict, optional): passed to the LR scheduler's ``step``, as DeepSpeed's.
+
+        Raises:
+            RuntimeError: the engine has no optimizer, was destroyed, is inside a backward pass, or a
+                backward through it failed part way (call :meth:`zero_grad` first).
+        """
         if not self.has_optimizer:
             raise RuntimeError(f"MultiEngine ({self._engine_name()}) is inference-only: it was built without an "
                                "optimizer, so step() has nothing to update. Pass optimizer=... (or an \"optimizer\" "
                                "config section) to deepspeed_multi.initialize to train it.")
-        self._check_can_step("step()")
+        misuse.refuse_step_now(self)
         stage3_prefetch.drain(self)
         if not self.is_update_boundary():
             self._window_micro_steps += 1
@@ -304,71 +357,21 @@ class MultiEngine(DeepSpeedEngine):
             self._updates_done += 1
             self._nonfinite.zero_()
             if skip:
-                self._skip_update()
+                update_paths.skip_update(self)
                 return
         if not accumulated:
             self._rank_agreement.finish()  # decide this path together with the other ranks
-            self._step_without_gradients(lr_kwargs)
+            update_paths.step_without_gradients(self, lr_kwargs)
             return
         try:
             super().step(lr_kwargs)
             self._rank_agreement.finish()  # (no-op: DeepSpeed's reduction finished it)
             grad_scale.back_off_after_overflow(self)  # [Note: torch_autocast's GradScaler]
         except BaseException:
-            self._abort_step()
+            update_paths.abort_step(self)
             raise
         buffers.start_window(self.optimizer)
         self._state = TrainingState.IDLE
-
-    def _step_without_gradients(self, lr_kwargs):
-        """An update with nothing accumulated since the last one, as in PyTorch.
-
-        [Note: step() with no gradients]
-        ``optimizer.step()`` skips every parameter whose ``.grad`` is None, so after a window in
-        which no backward pass reached the engine (a skipped batch, a branch not taken, only
-        ``torch.autograd.grad`` of inputs, or ``zero_grad()`` last) parameters and optimizer
-        state stay as they are, while the step counters and the LR schedule advance. DeepSpeed's
-        own step() would index gradient partitions that were never created. Ranks agree: at
-        ZeRO 0/1 the rank-agreement check above compares the counts; at ZeRO 2/3 a rank that
-        ran a backward pass through the engine has completed that pass's reduction collectives,
-        which every rank must have entered too.
-        """
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.global_steps += 1
-        self.micro_steps += 1
-        self._step_applied = False
-        self._state = TrainingState.IDLE
-
-    def _abort_step(self):
-        """DeepSpeed's step() raised: undo what it leaves half-set and discard this window.
-
-        Its ``_running_engine_step`` flag, which in unmanaged accumulation is also what
-        ``is_gradient_accumulation_boundary()`` returns, would stay set and send every later
-        backward down the update path; its step timers would stay started. The window's
-        gradients are discarded (as ``zero_grad()`` does), so the next backward starts a clean
-        window. An optimizer that raised after updating part of its parameters keeps that part.
-        """
-        self._running_engine_step = False
-        self._rank_agreement.discard()
-        for name in self.engine_timers.step_timers:
-            timer = self.timers(name)
-            if getattr(timer, "started_", False):
-                timer.stop()
-        logger.warning("deepspeed_multi: %s.step() raised; this window's gradients are discarded.",
-                       self._engine_name())
-        self.zero_grad()
-
-    def _skip_update(self):
-        """Drop this window's gradients without updating, as DeepSpeed does on an fp16 overflow."""
-        if self.fp16_enabled():
-            self.optimizer._update_scale(True)
-        self.zero_grad()
-        self.skipped_steps += 1
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-        self.micro_steps += 1
-        self._step_applied = False
 
     __del__ = hand_back.at_garbage_collection  # DeepSpeed's destroy() only: GC comes at any point
 

@@ -9,8 +9,8 @@ more on the module than DeepSpeed does: the region's forward hooks on every subm
 (autograd/region.py), the direct-use and skip-group checks on the parameters' gradient
 accumulators, the watchdog's forward hooks, at ZeRO-3 the parameters' names for the
 discarded-write warning (reliability/discarded_writes.py) and the module's ``generate``
-(zero/stage3_generation.py) and, at bf16/fp16 ZeRO-3, the
-parameters' 16-bit partitions released (zero/stage3_cast_on_gather.py). Left there they would act for the
+(zero/stage3/generation.py) and, at bf16/fp16 ZeRO-3, the
+parameters' 16-bit partitions released (zero/stage3/cast_on_gather.py). Left there they would act for the
 destroyed engine inside the new one's forward and backward (its epilogue on freed buckets: an
 IndexError at ZeRO-2), and the new engine would build its partitions from the released
 placeholders (NaN, silently, at bf16 ZeRO-3).
@@ -20,7 +20,7 @@ partitions from the masters (the values DeepSpeed's layout holds: the new engine
 DeepSpeed's bits), takes the engine out of the process-wide registries (watchdog, skip group,
 data-parallel groups, the parameters' and modules' owner) and, at ZeRO-3, drops the backward
 functions DeepSpeed creates once per module and leaves bound to the old engine
-(``zero/stage3_counters.forget``); then DeepSpeed's destroy() runs. The engine refuses any use
+(``zero.stage3.counters.forget``); then DeepSpeed's destroy() runs. The engine refuses any use
 after, with an error that says to build a new one. An engine dropped without ``destroy()`` gets
 DeepSpeed's part only, when it is garbage-collected (:func:`at_garbage_collection`), which
 DeepSpeed's own forward hooks put off for as long as its module lives; until then a new engine
@@ -33,8 +33,11 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from . import zero
 from .autograd import outside_use
 from .reliability import discarded_writes, dp_groups, misuse, watchdog
+from .reliability.misuse import refuse_if_destroyed  # noqa: F401  (engine.py and parts/ call it from here)
 from .state import TrainingState
-from .zero import stage3_counters, stage3_generation, stage3_prefetch
+from .zero.stage3 import counters as stage3_counters
+from .zero.stage3 import generation as stage3_generation
+from .zero.stage3 import prefetch as stage3_prefetch
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +72,3 @@ def at_garbage_collection(engine) -> None:
         DeepSpeedEngine.destroy(engine)
     except Exception as exc:  # noqa: BLE001 - as DeepSpeed's __del__: a half-built engine has nothing to free
         logger.debug("MultiEngine.__del__: DeepSpeed's cleanup skipped: %s", exc)
-
-
-def refuse_if_destroyed(engine, what: str) -> None:
-    if engine._state is TrainingState.DESTROYED:
-        raise RuntimeError(
-            f"MultiEngine ({engine._engine_name()}): {what} called after engine.destroy() (Accelerate's free_memory() "
-            "calls it, as does the start of Trainer.train()): its hooks and buffers are gone. Build a new engine over "
-            "engine.module with deepspeed_multi.initialize, as the Trainer does.")

@@ -13,7 +13,9 @@ from .engine import MultiEngine
 from .parts.plan import declared_submodules
 from .reliability import discarded_writes, managed_path
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
-from .zero import block_sizes, stage3_counters, stage3_generation, torch_autocast
+from .zero import block_sizes, torch_autocast
+from .zero.stage3 import counters as stage3_counters
+from .zero.stage3 import generation as stage3_generation
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -33,10 +35,49 @@ def _refuse_mics(config):
             "(zero_optimization.zero_hpz_partition_size = ranks per node), tested exact on 2 nodes.")
 
 
-@functools.wraps(deepspeed.initialize, assigned=("__doc__", ))
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
+    """Build a :class:`~deepspeed_multi.MultiEngine`: ``deepspeed.initialize`` with the same arguments and 4-tuple.
+
+    The engine runs DeepSpeed's backward prologue and epilogue from autograd hooks, so one plain
+    ``loss.backward()`` through any number of engines gives the gradients plain PyTorch would; under
+    ``engine.backward(loss)`` / ``engine.step()`` it gives upstream's bits. A config that uses a feature
+    owning DeepSpeed's accumulation boundary (DeepCompile, ZenFlow, SuperOffload, the hybrid engine, a
+    ``PipelineModule``) builds upstream's engine class on its managed path instead ([Note: the drop-in
+    rule]). A config that declares submodules at other ZeRO stages (``"deepspeed_multi": {"submodules":
+    ...}``) builds one engine per part (docs/parts.md). The ``"deepspeed_multi"`` config section holds
+    this package's options (docs/options.md); DeepSpeed never sees it.
+
+    Args:
+        args: an object with ``deepspeed_config`` (and ``local_rank``), as DeepSpeed's; optional with ``config``.
+        model (torch.nn.Module): the model, before any wrapper.
+        optimizer: an optimizer, or a callable taking the parameters and returning one; overrides the
+            config's ``"optimizer"`` section. None and no section: a frozen engine (at ZeRO-1/2 built at
+            stage 0, which is what such an engine is).
+        model_parameters: the tensors or parameter groups to optimize.
+        training_data (torch.utils.data.Dataset, optional): DeepSpeed builds a data loader over it.
+        lr_scheduler: a scheduler, or a callable taking the optimizer and returning one.
+        distributed_port (int, optional): the rendezvous port, as DeepSpeed's.
+        mpu: a model-parallel unit (``get_{model,data}_parallel_{rank,group,world_size}()``).
+        dist_init_required (bool, optional): None initializes ``torch.distributed`` where needed.
+        collate_fn: the data loader's collate function.
+        config (dict or str): the DeepSpeed config, or a path to its JSON file.
+        mesh_param: DeepSpeed's device-mesh shape (``(data_parallel, sequence_parallel)``).
+        config_params: the same as ``config``, kept by DeepSpeed for old code.
+
+    Returns:
+        tuple: ``(engine, optimizer, training_dataloader, lr_scheduler)``, as ``deepspeed.initialize``.
+
+    Raises:
+        ValueError: no config; an unknown ``"deepspeed_multi"`` key or a value of the wrong type; a
+            ``"deepspeed_multi"`` section beside a feature on DeepSpeed's managed path; a config the installed
+            DeepSpeed release gets wrong (the message names the key and the release that fixes it).
+        TypeError: ``model`` is already an engine.
+        RuntimeError: ``model`` holds parameters a live trainable engine owns.
+        NotImplementedError: MiCS (``mics_shard_size``); a trained ZeRO-0 engine under sequence parallelism.
+        deepspeed_multi.compat.UnsupportedDeepSpeed: a DeepSpeed release outside the supported window.
+    """
     compat.check_deepspeed()  # a DeepSpeed outside the supported window: a clear error first
     refuse_engine_as_model(model, "deepspeed_multi.initialize")
     if config is None and config_params is not None:

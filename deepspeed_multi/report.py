@@ -66,7 +66,7 @@ ENVIRONMENT = (
     ("CROSS_RANK", "the node index (other launchers)"),
     ("SLURM_NODEID", "the node index under SLURM"),
     ("ACCELERATE_MIXED_PRECISION", "Accelerate's mixed precision (deepspeed_multi.accelerate)"),
-    ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "needed with torchrun --max-restarts (README, 'On several nodes')"),
+    ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "needed with torchrun --max-restarts (docs/nodes.md)"),
 )
 
 
@@ -385,7 +385,15 @@ def render(build: bool = False) -> str:
 
 
 def report(build: bool = False, file=None) -> None:
-    """Print the environment report (``build=True`` first builds the fused-reduce op if it is not built)."""
+    """Print the environment report for bug reports (also ``python -m deepspeed_multi.report``).
+
+    Versions of torch, DeepSpeed and the integrations, whether the installed DeepSpeed is in the
+    supported window, the fused-reduce op's state and the ``DSM_*`` switches set.
+
+    Args:
+        build (bool): first build the fused-reduce op if it is not built (otherwise its state is only read).
+        file: where to print; default ``sys.stdout``.
+    """
     print(render(build), end="", file=file or sys.stdout, flush=True)
 
 

@@ -3,6 +3,7 @@ from enum import Enum, auto
 
 
 class TrainingState(Enum):
+    """Where one MultiEngine is in its accumulation window (``engine._state``)."""
     # No gradient of this engine is pending: after construction, step() or zero_grad().
     IDLE = auto()
     # A backward pass is producing this engine's gradients: the prologue ran, the epilogue

@@ -1,86 +1,54 @@
 """Transformers ``Trainer`` (and the TRL trainers built on it) over MultiEngines.
 
-One change for the user: ``from deepspeed_multi.transformers import Trainer`` instead of
-``transformers.Trainer``, or ``multi_engine_trainer(DPOTrainer)`` for any Trainer subclass; the
-DeepSpeed config comes as before (``TrainingArguments(deepspeed=...)`` or ``accelerate launch``).
-The trainer then builds a :class:`TrainerAccelerator` instead of ``accelerate.Accelerator``.
-TRL's extra models get their own config with ``deepspeed_roles=`` (see [Note: a config per TRL
-role]).
+One change for the user: import the Trainer from here instead of ``transformers``, or build any
+Trainer subclass (every TRL trainer) with :func:`multi_engine_trainer`. The DeepSpeed config comes
+as before (``TrainingArguments(deepspeed=...)`` or ``accelerate launch``); TRL's extra models may
+get their own with ``deepspeed_roles=``:
 
-[Note: the Trainer owns gradient accumulation]
-``Trainer`` runs its own accumulation: it divides each micro-batch's loss by its accumulation
-count (or normalizes by the tokens of the window), calls ``accelerator.backward(loss,
-scale_wrt_gas=False)`` for each micro-batch, then, once per window, ``clip_grad_norm_``,
-``optimizer.step()``, the scheduler and ``model.zero_grad()``. A MultiEngine left to itself
-would count each ``optimizer.step()`` as one micro-step of its ``gradient_accumulation_steps``
-window and divide the loss again. So every engine prepared with an optimizer by a
-TrainerAccelerator updates at each ``optimizer.step()`` on the gradients of the backward passes
-since its last update, and applies no 1/gas of its own (its loss scale for fp16 stays).
-``clip_grad_norm_`` is where Trainer reads the window's gradient norm, before its
-``optimizer.step()``; DeepSpeed computes that norm (and clips at the config's
-``gradient_clipping``) inside the update, so the update runs there, and the following
-``optimizer.step()`` of that window does nothing, as under upstream DeepSpeed, where Accelerate
-updates inside ``backward``.
+```python
+from deepspeed_multi.transformers import Trainer, multi_engine_trainer
 
-[Note: a config per TRL role]
-TRL's trainers build their extra models (the reference of DPO/GRPO/RLOO/KTO, GRPO's and RLOO's
-reward models, the distillation teachers) with ``trl.models.prepare_deepspeed``, which copies
-the policy's config, forces stage 0 unless the policy is at ZeRO-3 and calls
-``deepspeed.initialize`` itself, so no role can have its own stage. A trainer built by
-:func:`multi_engine_trainer` takes ``deepspeed_roles={"ref_model" | "reward_funcs" |
-"teacher_model": config}``; while its ``__init__`` runs, the ``prepare_deepspeed`` that its TRL
-module calls is swapped (``compat.swapped``, nothing copied) for one that prepares the model of a
-named role through this Accelerator, frozen and without an optimizer, with the policy's config
-(less its optimizer, scheduler and optimizer offload) under the role's. The engine then stays in
-the Accelerator for the whole run (``free_memory`` keeps it). A model whose role is not named
-gets TRL's own treatment. Where TRL then asks whether "DeepSpeed" is at ZeRO-3, the answer is the
-model's own ([Note: TRL's one-config checks] in integrations/trl_stages.py).
+Trainer(model=model, args=TrainingArguments(..., deepspeed="ds_zero2.json"), train_dataset=ds).train()
 
-[Note: role models in Trainer checkpoints]
-A Trainer checkpoint holds the policy (its DeepSpeed checkpoint), never the reference, reward or
-teacher models: "frozen" is taken to mean "unchanged". They do change: ``sync_ref_model=True`` mixes
-the policy into DPO's reference every ``ref_model_sync_steps`` (TR-DPO), and a teacher may be an EMA.
-A resumed TRL run (DDP or upstream DeepSpeed) then goes on with the reference the script builds,
-the initial policy's weights, and leaves the uninterrupted run at the next step that reads it. Here
-each role engine prepared without an optimizer (``ref_model``, ``teacher_model``,
-``reward_funcs_<i>``) saves its parameters (at ZeRO-3 each rank's partitions) and this rank's
-buffers into ``<checkpoint-N>/dsm_module_state/<role>/`` after the policy's checkpoint and before
-``trainer_state.json``, and ``train(resume_from_checkpoint=...)`` loads them after the policy's
-(checkpoint/module_state.py, same number of ranks). The policy's engine adds this rank's buffers
-there (``model/``) when its module has persistent ones: DeepSpeed's checkpoint gives every rank
-rank 0's ([Note: buffers rank by rank]); a model in parts saves them in its own set checkpoint. A
-checkpoint without that folder (an earlier release) resumes as before, with a warning. The hooks are
-``_save_optimizer_and_scheduler`` and ``_load_optimizer_and_scheduler``, which Trainer calls only
-there, with the checkpoint's folder.
+multi_engine_trainer(DPOTrainer)(
+    model=policy, ref_model=reference, args=DPOConfig(..., deepspeed="ds_zero2.json"),
+    train_dataset=pairs, processing_class=tokenizer,
+    deepspeed_roles={"ref_model": {"zero_optimization": {"stage": 3}}}).train()
+```
+
+The trainer builds a :class:`TrainerAccelerator` instead of ``accelerate.Accelerator``. Each
+role's config is :func:`role_config`'s
+([Note: a config per TRL role] in integrations/trl_roles.py), and a Trainer checkpoint also holds
+the role models' state
+([Note: role models in Trainer checkpoints] in integrations/trainer_state.py). ``TESTED`` holds
+the releases (major.minor) of transformers and TRL this module is measured with;
+:func:`check_versions` refuses others unless ``DSM_ALLOW_UNTESTED_TRAINERS=1``.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import glob
-import logging
 import math
-import os
 import sys
 
 
 from . import compat
 from .accelerate.accelerator import ENGINES, Accelerator
 from .accelerate.wrappers import EngineOptimizer
-from .config import enabled, load_config, merged
 from .engine import MultiEngine
 from .parts.engine import PartedEngine
-from .integrations import trl_stages
+from .integrations import trainer_state, trl_roles, trl_stages
+from .integrations.trainer_state import STATE_DIR  # noqa: F401 (the checkpoint folder's name, read by tests)
+from .integrations.trl_roles import ROLES, role_config
 from .integrations.engine_steps import caller_owns_accumulation
 from .switches import ALLOW_UNTESTED_TRAINERS
-
-logger = logging.getLogger(__name__)
 
 # The releases (major.minor) deepspeed_multi.transformers is measured with (tests/multi_gpu/test_trainer.py):
 # make test runs the newest in full (requirements-test.txt) and the oldest transformers beside the oldest
 # DeepSpeed (Makefile: test-oldest).
 TESTED = {"transformers": ("5.23", "5.24"), "trl": ("1.16",)}
+
+__all__ = ["TESTED", "Trainer", "TrainerAccelerator", "check_versions", "multi_engine_trainer", "role_config"]
 
 
 def _refuse_second_model_under_sequence_parallelism(accelerator, args) -> None:
@@ -106,7 +74,26 @@ def _refuse_second_model_under_sequence_parallelism(accelerator, args) -> None:
 
 
 class TrainerAccelerator(Accelerator):
-    """The Accelerator a Trainer builds: the Trainer owns accumulation (see the Note)."""
+    """The Accelerator a Trainer built by :func:`multi_engine_trainer` uses: the Trainer owns accumulation.
+
+    The Trainer builds it in ``create_accelerator_and_postprocess``, with the arguments it gives
+    ``accelerate.Accelerator``; a script has no need to build one itself.
+
+    [Note: the Trainer owns gradient accumulation]
+    ``Trainer`` runs its own accumulation: it divides each micro-batch's loss by its accumulation
+    count (or normalizes by the tokens of the window), calls ``accelerator.backward(loss,
+    scale_wrt_gas=False)`` for each micro-batch, then, once per window, ``clip_grad_norm_``,
+    ``optimizer.step()``, the scheduler and ``model.zero_grad()``. A MultiEngine left to itself
+    would count each ``optimizer.step()`` as one micro-step of its ``gradient_accumulation_steps``
+    window and divide the loss again. So every engine prepared with an optimizer by a
+    TrainerAccelerator updates at each ``optimizer.step()`` on the gradients of the backward passes
+    since its last update, and applies no 1/gas of its own (its loss scale for fp16 stays).
+    ``clip_grad_norm_`` is where Trainer reads the window's gradient norm, before its
+    ``optimizer.step()``; DeepSpeed computes that norm (and clips at the config's
+    ``gradient_clipping``) inside the update, so the update runs there, and the following
+    ``optimizer.step()`` of that window does nothing, as under upstream DeepSpeed, where Accelerate
+    updates inside ``backward``.
+    """
 
     def _prepare_deepspeed(self, *args):
         _refuse_second_model_under_sequence_parallelism(self, args)
@@ -119,6 +106,22 @@ class TrainerAccelerator(Accelerator):
         return result
 
     def backward(self, loss, **kwargs):
+        """One backward through every engine ``loss`` reaches, taking the Trainer's ``scale_wrt_gas=False``.
+
+        The base class refuses ``scale_wrt_gas=False`` (its engines divide by their own accumulation); here
+        the Trainer has divided the loss (see the Note), so the flag is dropped and ``scale_wrt_gas=True``
+        is refused instead. An engine on DeepSpeed's managed path runs Accelerate's own backward, as upstream.
+
+        Args:
+            loss (torch.Tensor): the loss as ``Trainer.training_step`` computes it.
+            **kwargs: passed on to the backward (``scale_wrt_gas`` taken out first under DeepSpeed).
+
+        Returns:
+            What the base class's ``backward`` returns (None under DeepSpeed).
+
+        Raises:
+            ValueError: when ``scale_wrt_gas=True`` is passed under DeepSpeed: the loss would be divided twice.
+        """
         if self._managed_wrapper is not None:  # upstream's path, its scale_wrt_gas=False too
             return self._managed_backward(loss, **kwargs)
         if self._uses_deepspeed:
@@ -136,10 +139,27 @@ class TrainerAccelerator(Accelerator):
                          "prepare the model and its optimizer together.")
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """The gradient norm of the current window, clipped at the config's ``gradient_clipping``.
+        """Run the window's update here and return its gradient norm, clipped at the config's ``gradient_clipping``.
 
-        ``max_norm=inf`` asks for the norm without clipping (the Trainer does so when
-        ``max_grad_norm`` is 0). The update runs here (see the Note).
+        The base class returns the norm of the last update; the Trainer reads this window's norm
+        before its ``optimizer.step()``, so the update runs here and that ``step()`` does nothing (see
+        the Note). A second call in the same window returns the same norm. Without DeepSpeed, or for
+        an engine on DeepSpeed's managed path, it is the base class's.
+
+        Args:
+            parameters: the parameters of one prepared model (``model.parameters()``).
+            max_norm (float): the config's ``gradient_clipping``; ``inf`` asks for the norm without
+                clipping (the Trainer passes it when ``max_grad_norm`` is 0).
+            norm_type (float): 2, the norm DeepSpeed clips.
+
+        Returns:
+            The gradient norm DeepSpeed computed in the update (a tensor at ZeRO 1-3, a float from the
+                bf16/fp16 optimizers at stage 0, None in fp32 at stage 0, where DeepSpeed keeps none).
+
+        Raises:
+            ValueError: when ``parameters`` do not all belong to one prepared model, when that model was
+                prepared without its optimizer, when a finite ``max_norm`` (or ``norm_type``) is not the
+                config's 2-norm clipping, or when ``max_norm`` is ``inf`` but the config clips.
         """
         if not self._uses_deepspeed or self._managed_wrapper is not None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
@@ -170,77 +190,6 @@ class TrainerAccelerator(Accelerator):
         return [m for m in self._models if getattr(m, "_dsm_role", None)]
 
 
-# ---------------------------------------------------------------------------- TRL roles
-ROLES = ("ref_model", "reward_funcs", "teacher_model")
-
-
-def _role_of(trainer, model) -> str:
-    if model is getattr(trainer, "ref_model", None):
-        return "ref_model"
-    if any(model is f for f in getattr(trainer, "reward_funcs", None) or ()):
-        return "reward_funcs"
-    if model is getattr(trainer, "model", None):
-        return "model"
-    return "teacher_model"  # the distillation trainers pass it before assigning it
-
-
-_FROZEN_ONLY = ("optimizer", "scheduler")           # a role model is prepared without an optimizer
-_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_PRECISIONS = ("fp16", "bf16")
-
-
-def role_config(accelerator, given: dict, role: str = "ref_model") -> dict:
-    """The policy's DeepSpeed config without its training-only sections, with the role's over it.
-
-    A role may name its own stage, precision, offload of parameters, bucket sizes. Refused, before
-    any step: sections that only a trained model uses (the role is frozen), a batch geometry other
-    than the policy's (the trainer feeds every model the same micro-batches), and fp16 and bf16
-    both on. A role that turns one precision on runs in it alone: the policy's other one is dropped.
-    """
-    given = copy.deepcopy(load_config(given))
-    policy = accelerator.state.deepspeed_plugin.deepspeed_config
-    for key in _BATCH:  # "auto" in a role: the policy's (the trainer has filled them in)
-        if given.get(key) == "auto":
-            given.pop(key)
-    where = f"deepspeed_roles[{role!r}]"
-    frozen_only = [k for k in _FROZEN_ONLY if k in given]
-    frozen_only += ["zero_optimization.offload_optimizer"] * ("offload_optimizer" in given.get("zero_optimization", {}))
-    if frozen_only:
-        raise ValueError(f"{where} sets {frozen_only}: the trainer's {role} is frozen (prepared without an optimizer), "
-                         "so these would do nothing. Drop them from the role's config; the policy's optimizer "
-                         "settings belong in TrainingArguments(deepspeed=...).")
-    for key in _BATCH:
-        mine, theirs = given.get(key, "auto"), policy.get(key, "auto")
-        if mine != "auto" and theirs != "auto" and mine != theirs:
-            raise ValueError(f"{where} sets {key}={mine!r} but the policy's config has {key}={theirs!r}: the trainer "
-                             f"feeds the {role} the policy's micro-batches. Drop {key} from the role's config.")
-    precisions = [p for p in _PRECISIONS if enabled(given.get(p))]
-    if len(precisions) > 1:
-        raise ValueError(f"{where} enables both fp16 and bf16; a model runs in one. Enable one of them.")
-    base = copy.deepcopy(policy)
-    for key in _FROZEN_ONLY:
-        base.pop(key, None)
-    base.get("zero_optimization", {}).pop("offload_optimizer", None)
-    for other in set(_PRECISIONS) - set(precisions) if precisions else ():
-        base.pop(other, None)
-    return merged(base, given)
-
-
-def _prepare_role(trainer, original):
-    """TRL's ``prepare_deepspeed`` for a trainer built with ``deepspeed_roles`` ([Note: a config per TRL role])."""
-    def prepare_deepspeed(model, accelerator):
-        role = _role_of(trainer, model)
-        given = trainer._dsm_roles.get(role)
-        if given is None:
-            return original(model, accelerator)
-        model.requires_grad_(False)
-        engine = accelerator.prepare(model, deepspeed_plugin=role_config(accelerator, given, role))
-        engine._dsm_role = role
-        engine.eval()
-        return engine
-    return prepare_deepspeed
-
-
 def _init(self, *args, deepspeed_roles=None, **kwargs):
     roles = dict(deepspeed_roles or {})
     unknown = sorted(set(roles) - set(ROLES))
@@ -256,7 +205,7 @@ def _init(self, *args, deepspeed_roles=None, **kwargs):
     with contextlib.ExitStack() as stack:
         for module in modules:
             stack.enter_context(compat.swapped(module, "prepare_deepspeed",
-                                               _prepare_role(self, module.prepare_deepspeed)))
+                                               trl_roles.prepare_role(self, module.prepare_deepspeed)))
         self._dsm_base.__init__(self, *args, **kwargs)
     trl_stages.fix_sync_callbacks(self)
     for role in roles:
@@ -266,6 +215,11 @@ def _init(self, *args, deepspeed_roles=None, **kwargs):
 
 
 def _create_accelerator_and_postprocess(self):
+    """``cls.create_accelerator_and_postprocess``, building a :class:`TrainerAccelerator` instead of Accelerate's.
+
+    Returns:
+        What ``cls.create_accelerator_and_postprocess`` returns (None in the tested releases).
+    """
     import transformers.trainer as hf_trainer
     with compat.swapped(hf_trainer, "Accelerator", TrainerAccelerator):
         return self._dsm_base.create_accelerator_and_postprocess(self)
@@ -274,6 +228,7 @@ def _create_accelerator_and_postprocess(self):
 def _per_model_zero3(name):
     """``cls.<name>`` with TRL's ZeRO-3 checks answered per model ([Note: TRL's one-config checks])."""
     def method(self, *args, **kwargs):
+        """The base class's method, with TRL's ZeRO-3 checks answered per model ([Note: TRL's one-config checks])."""
         with trl_stages.per_model_zero3():
             return getattr(self._dsm_base, name)(self, *args, **kwargs)
     method.__name__ = method.__qualname__ = name
@@ -281,8 +236,21 @@ def _per_model_zero3(name):
 
 
 def _train(self, *args, **kwargs):
-    """``cls.train``: after ``evaluate()``/``predict()`` as under DDP; refused a second time on the same
-    trainer (see the message)."""
+    """Train as ``cls.train`` does, with TRL's ZeRO-3 checks answered per model.
+
+    After ``evaluate()``/``predict()`` (which build an inference engine at ZeRO-3) it trains as under
+    DDP; a second ``train()`` on the same trainer is refused (see the message).
+
+    Args:
+        *args: ``cls.train``'s positional arguments (``resume_from_checkpoint``, ...).
+        **kwargs: ``cls.train``'s keyword arguments.
+
+    Returns:
+        What ``cls.train`` returns (a ``TrainOutput``).
+
+    Raises:
+        RuntimeError: when ``train()`` already ran on this trainer and built its DeepSpeed engine.
+    """
     previous = self.model_wrapped
     if isinstance(previous, ENGINES) and not previous.has_optimizer:
         # evaluate()/predict() before train() (ZeRO-3) built an inference engine; the Trainer would train
@@ -302,63 +270,29 @@ def _train(self, *args, **kwargs):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-STATE_DIR = "dsm_module_state"
-
-
-def _state_engines(trainer) -> dict:
-    """Name -> engine whose module state a Trainer checkpoint leaves out ([Note: role models in Trainer
-    checkpoints]): the role engines without an optimizer, and the policy's engine if it has buffers."""
-    out = {}
-    for role in ROLES:
-        value = getattr(trainer, role, None)
-        items = enumerate(value) if role == "reward_funcs" and isinstance(value, (list, tuple)) else [(None, value)]
-        for i, engine in items:
-            if isinstance(engine, MultiEngine) and not engine.has_optimizer:
-                out[role if i is None else f"{role}_{i}"] = engine
-    policy = trainer.model_wrapped
-    if isinstance(policy, MultiEngine) and policy.has_optimizer:
-        from .checkpoint import module_state
-        if module_state.persistent_buffers(policy.module):
-            out["model"] = policy
-    return out
-
-
 def _save_optimizer_and_scheduler(self, output_dir):
     self._dsm_base._save_optimizer_and_scheduler(self, output_dir)
-    from .checkpoint import module_state
-    for name, engine in _state_engines(self).items():
-        module_state.save_engine_state(engine, os.path.join(output_dir, STATE_DIR, name))
+    trainer_state.save_state(self, output_dir, ROLES)   # [Note: role models in Trainer checkpoints]
 
 
 def _load_optimizer_and_scheduler(self, checkpoint):
     self._dsm_base._load_optimizer_and_scheduler(self, checkpoint)
-    engines = _state_engines(self) if checkpoint is not None else {}
-    if not engines:
-        return
-    from .checkpoint import module_state
-    from .checkpoint.files import raise_if_any
-    import deepspeed.comm as dist
-    saved = {n: os.path.join(checkpoint, STATE_DIR, n) for n in engines}
-    missing = [n for n, d in saved.items() if not os.path.isdir(d)]
-    # DeepSpeed's load gave every rank rank 0's buffers; on another number of ranks the policy keeps those.
-    other_world = [n for n, d in saved.items() if n == "model" and n not in missing
-                   and len(glob.glob(os.path.join(d, "dsm_module_state_rank*.pt"))) != dist.get_world_size()]
-    if (missing or other_world) and dist.get_rank() == 0:
-        if missing:
-            logger.warning("deepspeed_multi: %s holds no state of %s (%s is missing: saved by an earlier release); "
-                           "they resume as this script built them.", checkpoint, missing, STATE_DIR)
-        if other_world:
-            logger.warning("deepspeed_multi: %s was saved on another number of ranks; every rank of the trained "
-                           "model resumes with rank 0's buffers.", checkpoint)
-    error = None
-    for name, engine in engines.items():
-        if error is None and name not in missing + other_world:
-            error = module_state.load_engine_state(engine, saved[name], name)
-    raise_if_any(f"deepspeed_multi: resume_from_checkpoint={checkpoint!r}: {error}" if error else None)
+    trainer_state.load_state(self, checkpoint, ROLES)
 
 
 def check_versions(cls) -> None:
-    """The Trainer code paths this module relies on are those of the tested releases (TESTED)."""
+    """Refuse a transformers release (and, for a TRL trainer, a TRL release) other than the tested ones.
+
+    The Trainer code paths this module relies on are those of the releases in ``TESTED`` (major.minor);
+    ``DSM_ALLOW_UNTESTED_TRAINERS=1`` runs another anyway. :func:`multi_engine_trainer` calls it.
+
+    Args:
+        cls (type): the Trainer class to build on; TRL is checked too when ``cls`` comes from ``trl``.
+
+    Raises:
+        RuntimeError: when an installed release is not one in ``TESTED`` and the switch is off; the message
+            names the tested releases, the installed one and the switch.
+    """
     import importlib.metadata as md
     packages = ["transformers"] + (["trl"] if cls.__module__.split(".")[0] == "trl" else [])
     for package in packages:
@@ -370,16 +304,35 @@ def check_versions(cls) -> None:
 
 @functools.lru_cache(maxsize=None)
 def multi_engine_trainer(cls):
-    """``cls`` (``transformers.Trainer`` or a subclass, e.g. TRL's ``DPOTrainer``) on MultiEngines.
+    """Build ``cls`` (``transformers.Trainer`` or a subclass, e.g. TRL's ``DPOTrainer``) on MultiEngines.
 
-    Built once per class, as ``MultiEngine<cls>``; the DeepSpeed config is given as for ``cls``.
+    Built once per class, as ``MultiEngine<cls>``; the DeepSpeed config is given as for ``cls``, and
+    the trainer takes one more argument, ``deepspeed_roles``.
+
+    Each model named in ``deepspeed_roles`` is prepared frozen, without an optimizer, with
+    :func:`role_config`'s config, and stays prepared for the whole run; other models get TRL's own
+    treatment ([Note: a config per TRL role] in integrations/trl_roles.py).
+
+    Args:
+        cls (type): ``transformers.Trainer`` or a subclass of it.
+
+    Returns:
+        type: ``MultiEngine<cls>``, a subclass of ``cls`` (the same class on every call with that ``cls``).
+
+    Raises:
+        TypeError: when ``cls`` is not ``transformers.Trainer`` or a subclass of it.
+        RuntimeError: when the installed transformers (or TRL) is not a tested release (:func:`check_versions`).
     """
     import transformers
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise TypeError(f"multi_engine_trainer: expected transformers.Trainer or a subclass of it, got {cls!r}.")
     check_versions(cls)
     return type(f"MultiEngine{cls.__name__}", (cls,), {
-        "__doc__": f"{cls.__name__} whose DeepSpeed models are MultiEngines (deepspeed_multi.transformers).",
+        "__doc__": f"{cls.__name__} whose DeepSpeed models are MultiEngines (deepspeed_multi.transformers).\n\n"
+                   "Takes the arguments of the class it is built on, and ``deepspeed_roles``: role (``ref_model``, "
+                   "``reward_funcs``, ``teacher_model``) -> that model's DeepSpeed config (dict or JSON path), over "
+                   "the policy's (``role_config``). An unknown role, or one this trainer has no model for, is refused "
+                   "(ValueError).",
         "__module__": __name__,
         "_dsm_base": cls,
         "__init__": _init,

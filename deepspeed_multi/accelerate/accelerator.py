@@ -73,9 +73,27 @@ class Accelerator(accelerate.Accelerator):
     def prepare(self, *args, device_placement=None, deepspeed_plugin=None, deepspeed_config=None):
         """``accelerate.Accelerator.prepare``, plus the RFC's per-call DeepSpeed config.
 
-        ``deepspeed_plugin`` (alias ``deepspeed_config``): the name of one of the Accelerator's
-        plugins, a ``DeepSpeedPlugin``, or a DeepSpeed config dict or JSON path, used for this
-        call only.
+        Under DeepSpeed each call prepares one model (with its optimizer and scheduler) as a
+        MultiEngine of its own; a model passed without an optimizer is an inference-only engine.
+
+        Args:
+            *args: the objects to prepare, as for Accelerate (at most one model per call under DeepSpeed).
+            device_placement: as for Accelerate.
+            deepspeed_plugin: the name of one of the Accelerator's plugins, a ``DeepSpeedPlugin``, or a
+                DeepSpeed config dict or JSON path, used for this call only (the plugin selected before
+                comes back afterwards); None: the selected plugin.
+            deepspeed_config: an alias of ``deepspeed_plugin``.
+
+        Returns:
+            The prepared objects, as Accelerate returns them: the engine in the model's place, an
+                :class:`EngineOptimizer` and an :class:`UpdateScheduler` in its optimizer's and scheduler's.
+
+        Raises:
+            ValueError: when both ``deepspeed_plugin`` and ``deepspeed_config`` are given, when one call
+                holds several models under DeepSpeed, when a plugin is given to an Accelerator not in
+                DeepSpeed mode, when a config given cannot be read, or when a scheduler comes without
+                its optimizer.
+            TypeError: when ``deepspeed_plugin`` is neither a name, a ``DeepSpeedPlugin`` nor a config.
         """
         if deepspeed_plugin is not None and deepspeed_config is not None:
             raise ValueError("prepare(): pass deepspeed_plugin=... or deepspeed_config=..., not both (they are aliases).")
@@ -204,11 +222,24 @@ class Accelerator(accelerate.Accelerator):
                          f"({len(engines)} prepared). Pass model.parameters() of a single prepared model.")
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """DeepSpeed clips inside the engine's update, at its config's "gradient_clipping".
+        """The gradient norm of the engine's last update, which DeepSpeed clips at its config's "gradient_clipping".
 
-        Returns the engine's gradient norm from its last update (as Accelerate does under
-        DeepSpeed) when ``max_norm`` is that configured value; otherwise refuses, since clipping
-        here at another value would be silently ignored.
+        Accelerate returns that norm under DeepSpeed for its one engine; here the engine is the one
+        ``parameters`` belong to, and a ``max_norm`` other than its configured value is refused, since
+        clipping here at another value would be silently ignored.
+
+        Args:
+            parameters: the parameters of one prepared model (``model.parameters()``).
+            max_norm (float): the model's configured ``gradient_clipping``.
+            norm_type (float): 2, the norm DeepSpeed clips.
+
+        Returns:
+            The engine's ``get_global_grad_norm()`` (without DeepSpeed, or for an engine on DeepSpeed's
+                managed path: Accelerate's own result).
+
+        Raises:
+            ValueError: when ``parameters`` do not all belong to one prepared model, or ``max_norm`` /
+                ``norm_type`` are not the 2-norm clipping that model's config sets.
         """
         if not self._uses_deepspeed:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
@@ -285,7 +316,11 @@ class Accelerator(accelerate.Accelerator):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
     def engines(self):
-        """The engines prepared so far, in order (MultiEngines, and PartedEngines of models in parts)."""
+        """The engines prepared so far.
+
+        Returns:
+            list: the MultiEngines (and PartedEngines of models in parts) in the order they were prepared.
+        """
         return [m for m in self._models if isinstance(m, ENGINES)]
 
     def free_memory(self, *objects):

@@ -14,7 +14,14 @@ from ..integrations.engine_steps import EngineSteps
 
 
 class EngineOptimizer(EngineSteps, AcceleratedOptimizer):
-    """Accelerate's optimizer wrapper whose ``step()``/``zero_grad()`` are its engine's (EngineSteps)."""
+    """Accelerate's optimizer wrapper whose ``step()``/``zero_grad()`` are its engine's (EngineSteps).
+
+    What ``prepare`` returns for a model's optimizer under DeepSpeed; built by the Accelerator.
+
+    Args:
+        optimizer: the engine's optimizer, as Accelerate's DeepSpeed wrapper holds it.
+        engine: the engine whose ``step()``/``zero_grad()`` it calls.
+    """
 
     def __init__(self, optimizer, engine):
         AcceleratedOptimizer.__init__(self, optimizer, device_placement=False, scaler=None)
@@ -22,7 +29,16 @@ class EngineOptimizer(EngineSteps, AcceleratedOptimizer):
 
 
 class UpdateScheduler(AcceleratedScheduler):
-    """A PyTorch LR scheduler that advances once per update of its engine."""
+    """A PyTorch LR scheduler that advances once per update of its engine.
+
+    What ``prepare`` returns for a scheduler under DeepSpeed; built by the Accelerator.
+
+    Args:
+        scheduler: the learning-rate scheduler to step.
+        optimizer (EngineOptimizer): the prepared optimizer of the engine whose updates it follows.
+        step_with_optimizer (bool): True follows the engine's updates; False steps ``scheduler`` at every
+            ``step()``, as Accelerate does (the Accelerator's ``step_scheduler_with_optimizer``).
+    """
 
     def __init__(self, scheduler, optimizer: EngineOptimizer, step_with_optimizer: bool = True):
         super().__init__(scheduler, optimizer, step_with_optimizer=step_with_optimizer, split_batches=True)
@@ -30,9 +46,18 @@ class UpdateScheduler(AcceleratedScheduler):
 
     @property
     def engine_optimizer(self) -> EngineOptimizer:
+        """The prepared optimizer whose engine's updates this scheduler follows."""
         return self.optimizers[0]
 
     def step(self, *args, **kwargs):
+        """Step the scheduler once if its engine applied an update since the last ``step()``, else not at all.
+
+        Accelerate's scheduler steps whenever the optimizer was stepped and not skipped (and, when
+        batches are not split, once per process); this one counts the updates its engine applied, so
+        a ``step()`` inside an accumulation window or after a skipped fp16 update does nothing
+        ([Note: one update, one scheduler step] in integrations/engine_steps.py). With
+        ``step_with_optimizer=False`` it steps every time, as Accelerate's.
+        """
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return
@@ -42,5 +67,9 @@ class UpdateScheduler(AcceleratedScheduler):
         self._seen = updates
 
     def load_state_dict(self, state_dict):
+        """Load the scheduler's state as Accelerate's does; the updates applied so far then count as seen.
+
+        So the next ``step()`` waits for the engine's next update.
+        """
         super().load_state_dict(state_dict)
         self._seen = self.engine_optimizer.updates

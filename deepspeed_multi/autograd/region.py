@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from ..zero import stage3_counters
+from ..zero.stage3 import counters as stage3_counters
 from .boundary import wrap_inputs
 from .graph import in_backward
 

@@ -80,10 +80,27 @@ def _phase(name):
 
 # ---------------------------------------------------------------------------------- save
 def save_checkpoint(save_dir, engines, client_state=None, tag=None):
-    """Save every engine of ``engines`` (a dict name -> MultiEngine) as one checkpoint; return its path.
+    """Save a set of engines as one checkpoint, atomically: the tag is complete or absent.
 
-    Call on every rank, like ``engine.save_checkpoint``. ``tag`` defaults to
-    ``global_step<N>`` (N: the largest global_steps among the engines); an existing tag is refused.
+    Call on every rank, like ``engine.save_checkpoint``. Each engine's DeepSpeed state, the parameters
+    of engines without an optimizer (stored once while unchanged), every engine's buffers, the position
+    in each accumulation window and every rank's RNG states are written under a staging name, checked,
+    and renamed into place (docs/failure_and_recovery.md).
+
+    Args:
+        save_dir (str): the directory that holds the tags (created if missing).
+        engines (dict): name -> engine (a MultiEngine, or the parts of one model in parts).
+        client_state (dict, optional): saved beside the engines, returned by :func:`load_checkpoint`.
+        tag (str, optional): the checkpoint's name; default ``global_step<N>``, N the largest
+            ``global_steps`` among the engines. The same on every rank.
+
+    Returns:
+        str: the path of the saved checkpoint, ``<save_dir>/<tag>``.
+
+    Raises:
+        RuntimeError: on every rank together, where any rank found an error: the tag exists already (it is
+            never overwritten), an engine holds gradients of an unfinished accumulation window, a write failed.
+        ValueError: ``engines`` is not a dict of engines, or ``tag`` is not a plain directory name.
     """
     engines, parted = _expand_parted(engines, "save_checkpoint")
     if parted:
@@ -200,13 +217,28 @@ def _set_rng_state(state):
 
 # ---------------------------------------------------------------------------------- load
 def load_checkpoint(load_dir, engines, tag=None):
-    """Load a set checkpoint into ``engines`` (the same names as when saved); return its ``client_state``.
+    """Load a set checkpoint saved by :func:`save_checkpoint` into freshly built engines.
 
-    Call on every rank, with freshly built engines (as DeepSpeed requires for ZeRO-3), built from
-    any weights. ``tag`` defaults to the newest complete checkpoint in ``load_dir``; incomplete ones
-    are skipped with a warning. Restores each engine's DeepSpeed state, the parameters of the engines
-    without an optimizer, every engine's buffers, the accumulation-window position and every rank's
-    RNG states; checks every file's sha256 first.
+    Call on every rank, with engines built as when saved (any weights; DeepSpeed requires fresh ZeRO-3
+    engines). Every file's sha256 is checked first, then each engine's DeepSpeed state, the parameters
+    of the engines without an optimizer, every engine's buffers, the accumulation-window position and
+    every rank's RNG states are restored. On another number of ranks the engines are converted through
+    DeepSpeed's universal checkpoint.
+
+    Args:
+        load_dir (str): the directory that holds the tags.
+        engines (dict): name -> engine, the same names as when saved.
+        tag (str, optional): the checkpoint to load; default the newest complete one (incomplete ones are
+            skipped with a warning).
+
+    Returns:
+        The ``client_state`` given to :func:`save_checkpoint` (None if none was).
+
+    Raises:
+        FileNotFoundError: no complete checkpoint (or not ``tag``) in ``load_dir``, on some rank's disk.
+        ValueError: the checkpoint holds other engine names than ``engines``.
+        RuntimeError: on every rank together: a damaged file (checksum), a file a rank needs is missing, or
+            an engine's state does not fit it.
     """
     engines, parted = _expand_parted(engines, "load_checkpoint")
     _check_engine_set(engines, "load_checkpoint")

@@ -132,10 +132,23 @@ def remove_incomplete(directory):
 
 
 def remove_checkpoint(directory, tag):
-    """Delete the set checkpoint ``tag`` under ``directory`` and the frozen-state objects that only it
-    referenced (an unchanged frozen engine's object stays while another tag references it). Call from
-    one process (one per disk on node-local storage), while no save is running. ``latest`` is left
-    alone: load takes the newest complete tag whatever it names."""
+    """Delete one set checkpoint and the frozen-engine states only it referenced.
+
+    An unchanged frozen engine's parameters are stored once and referenced by every tag saved while it
+    did not change: they stay while another tag references them. Call from one process (one per disk
+    on node-local storage), while no save is running. ``latest`` is left alone: a load takes the newest
+    complete tag whatever ``latest`` names.
+
+    Args:
+        directory (str): the directory that holds the tags.
+        tag (str): the checkpoint to delete.
+
+    Returns:
+        list: the paths deleted, the tag's first.
+
+    Raises:
+        FileNotFoundError: ``<directory>/<tag>`` is not a set checkpoint.
+    """
     path = os.path.join(directory, str(tag))
     if read_manifest(path)[0] is None and not os.path.isdir(os.path.join(path, "rng")):
         raise FileNotFoundError(f"deepspeed_multi.checkpoint.remove_checkpoint: {path} is not a set checkpoint.")

@@ -25,13 +25,18 @@ from .hf_config import hf_deepspeed_config
 
 @contextlib.contextmanager
 def zero_init(config, **init_kwargs):
-    """Partition parameters at construction for a stage-3 config; otherwise build plain modules.
+    """A context manager: models built inside it are partitioned at construction under a ZeRO-3 config.
 
-    ``config`` is a DeepSpeed config dict or a path to one. Extra keyword arguments go to
-    ``deepspeed.zero.Init`` (e.g. ``remote_device``, ``dtype``). Transformers models built in
-    the block follow the same config (see [Note: Transformers models under zero_init]). A config
-    that declares submodules partitions only its ZeRO-3 parts (see [Note: constructing a parted
-    model] in parts/construct.py).
+    Under another stage the block builds plain modules. Transformers models built in the block follow
+    the same config ([Note: Transformers models under zero_init]); a config that declares submodules
+    at other stages partitions only its ZeRO-3 parts ([Note: constructing a parted model]).
+
+    Args:
+        config (dict or str): the DeepSpeed config the model's engine will be built with, or its path.
+        **init_kwargs: passed to ``deepspeed.zero.Init`` (e.g. ``remote_device``, ``dtype``).
+
+    Yields:
+        None: build the model inside the ``with`` block.
     """
     config = copy.deepcopy(load_config(config))
     # zero.Init replaces torch.Tensor.__new__ for the block; torch._dynamo checks the signatures of

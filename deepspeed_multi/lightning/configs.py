@@ -27,8 +27,18 @@ _PRECISION_SECTIONS = {"16-mixed": "fp16", "16-true": "fp16", "bf16-mixed": "bf1
 
 
 def with_config(module, config):
-    """Give ``module`` its own DeepSpeed config (dict or JSON path) for the coming ``fabric.setup``;
-    returns ``module``, so ``fabric.setup(with_config(teacher, zero3), ...)`` reads as one call."""
+    """Give ``module`` its own DeepSpeed config for the coming ``fabric.setup``.
+
+    The config is merged over the strategy's ([Note: a config per model under Lightning]) and takes
+    precedence over ``configs=``.
+
+    Args:
+        module (torch.nn.Module): the model.
+        config (dict or str): its DeepSpeed config, a dict or a JSON path (read now).
+
+    Returns:
+        ``module`` itself, so ``fabric.setup(with_config(teacher, zero3), ...)`` reads as one call.
+    """
     _OWN_CONFIGS[module] = load_config(config)
     return module
 

@@ -93,9 +93,22 @@ class _EngineSyncControl(_BackwardSyncControl):
 class MultiDeepSpeedStrategy(DDPStrategy):
     """Fabric strategy for several DeepSpeed models, each with its own config (see the module doc).
 
-    ``config``: the DeepSpeed config (dict or JSON path) every model starts from; without it,
-    Lightning's defaults from the other arguments (``stage=2``, ...), as ``DeepSpeedStrategy``.
-    ``configs``: model class name -> that model's own config, merged over ``config``.
+    Args:
+        config (dict or str): the DeepSpeed config (dict or JSON path) every model starts from; without
+            it, Lightning's defaults from the other arguments (``stage=2``, ...), as ``DeepSpeedStrategy``.
+        configs (dict): model class name -> that model's own config, merged over ``config``.
+        accelerator: as for Lightning's ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        precision: as for ``DDPStrategy``; Fabric's choice becomes Lightning's DeepSpeed precision.
+        process_group_backend (str): as for ``DDPStrategy``.
+        timeout (timedelta): as for ``DDPStrategy``; DeepSpeed's process group gets it too.
+        **deepspeed_kwargs: the other arguments of Lightning's ``DeepSpeedStrategy`` (``stage``,
+            ``offload_optimizer``, ``loss_scale``, ...), which build ``config`` when none is given.
+
+    Raises:
+        TypeError: when ``configs`` is not a dict keyed by class names.
+        RuntimeError: when the installed Lightning is not a tested release (``check_lightning``).
     """
 
     def __init__(self, config=None, configs: Optional[dict] = None, accelerator=None, parallel_devices=None,
@@ -115,15 +128,22 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @property
     def config(self) -> dict:
+        """The strategy's DeepSpeed config, which every model's own config is merged over."""
         return self._template.config
 
     @property
     def engines(self) -> list:
+        """The engines ``fabric.setup`` built so far, in order (a new list)."""
         return list(self._engines)
 
     # ------------------------------------------------------------------ precision
     @property
     def precision(self) -> EnginePrecision:
+        """Lightning's DeepSpeed precision plugin, with the plain backward (fp32 when none was chosen).
+
+        Fabric's connector picks ``DeepSpeedPrecision`` only for a ``DeepSpeedStrategy``; what it sets
+        here is converted to one.
+        """
         return self._precision if self._precision is not None else EnginePrecision("32-true")
 
     @precision.setter
@@ -135,6 +155,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ environment
     def setup_environment(self) -> None:
+        """DDP's set-up, and DeepSpeed's distributed set-up on its process group.
+
+        Refused first (RuntimeError) when Fabric's device is not DeepSpeed's accelerator: on a machine
+        without GPUs, ``DS_ACCELERATOR=cpu`` with ``Fabric(accelerator="cpu")``.
+        """
         from deepspeed.accelerator import get_accelerator
         wanted = get_accelerator().device_name()
         have = self.root_device.type
@@ -214,10 +239,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._engines.append(engine)
 
     def setup_optimizer(self, optimizer):
+        """Refused (NotImplementedError): a model and its optimizer are set up together (``fabric.setup``)."""
         raise NotImplementedError("MultiDeepSpeedStrategy sets a model and its optimizer up together: "
                                   "fabric.setup(model, optimizer).")
 
     def module_to_device(self, module) -> None:
+        """Move ``module`` to the strategy's root device, as DDP does."""
         module.to(self.root_device)
 
     def module_init_context(self, empty_init=None):
@@ -226,10 +253,23 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def init_module(self, name: Optional[str] = None, empty_init=None):
-        """Build a model under its own config: ``with fabric.strategy.init_module("Teacher"): ...``
-        (the class name, as in ``configs=``). A ZeRO-3 config partitions the parameters at
-        construction (``deepspeed_multi.zero_init``); another builds a plain model, as
-        ``fabric.init_module()`` under DDP does. ``None``: the strategy's own config."""
+        """Build a model under its own config: ``with fabric.strategy.init_module("Teacher"): ...``.
+
+        A ZeRO-3 config partitions the parameters at construction (``deepspeed_multi.zero_init``);
+        another builds a plain model, as ``fabric.init_module()`` under DDP does.
+
+        Args:
+            name (str): the model's class name, as in ``configs=``; None: the strategy's own config.
+            empty_init (bool): as for ``fabric.init_module``; False is refused under a ZeRO-3 config.
+
+        Yields:
+            None, inside the context in which the model is built.
+
+        Raises:
+            ValueError: when ``configs=`` has no config for ``name``.
+            NotImplementedError: for ``empty_init=False`` under a ZeRO-3 config (the parameters are
+                partitioned as they are built, never materialized whole).
+        """
         if name is not None and name not in self._by_class:
             raise ValueError(f"init_module({name!r}): configs= has no config for {name!r} (it has "
                              f"{sorted(self._by_class)}); the model would be built under the strategy's config.")
@@ -270,6 +310,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val):
+        """Refused (NotImplementedError): DeepSpeed clips by norm, inside its update (use ``max_norm=``)."""
         raise NotImplementedError("DeepSpeed clips gradients by norm inside its update: use "
                                   "fabric.clip_gradients(model, optimizer, max_norm=...) with \"gradient_clipping\" "
                                   "in the model's config.")
@@ -314,6 +355,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         return client_state
 
     def teardown(self) -> None:
+        """Destroy every engine set up (each hands its model back), then DDP's teardown."""
         self._wrapper_watch.close()
         for engine in self._engines:
             engine.destroy()

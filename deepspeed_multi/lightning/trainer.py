@@ -56,7 +56,25 @@ class TrainerEngineOptimizer(EngineOptimizer):
 
 
 class MultiDeepSpeedTrainerStrategy(DDPStrategy):
-    """Trainer strategy for a LightningModule of several DeepSpeed models (see the module doc)."""
+    """Trainer strategy for a LightningModule of several DeepSpeed models (see the module doc).
+
+    Args:
+        config (dict or str): the DeepSpeed config (dict or JSON path) every model starts from; without
+            it, Lightning's defaults from the other arguments, as ``DeepSpeedStrategy``.
+        configs (dict): attribute name of a child module -> that model's own config, merged over ``config``.
+        accelerator: as for Lightning's ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        precision_plugin: as for ``DDPStrategy``; the Trainer runs in fp32 (``precision="32-true"``).
+        process_group_backend (str): as for ``DDPStrategy``.
+        timeout (timedelta): as for ``DDPStrategy``; DeepSpeed's process group gets it too.
+        **deepspeed_kwargs: the other arguments of Lightning's ``DeepSpeedStrategy``, which build
+            ``config`` when none is given.
+
+    Raises:
+        TypeError: when ``configs`` is not a dict keyed by attribute names.
+        RuntimeError: when the installed Lightning is not a tested release (``check_lightning``).
+    """
 
     strategy_name = "deepspeed_multi"
 
@@ -73,14 +91,17 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
 
     @property
     def config(self) -> dict:
+        """The strategy's DeepSpeed config, which every model's own config is merged over."""
         return self._template.config
 
     @property
     def engines(self) -> dict:
+        """Attribute name -> engine, for the engines built when ``fit`` started (a new dict)."""
         return dict(self._engines)
 
     # ------------------------------------------------------------------ environment
     def setup_environment(self) -> None:
+        """DDP's set-up, refused first (RuntimeError) when the Trainer's device is not DeepSpeed's accelerator."""
         from deepspeed.accelerator import get_accelerator
         wanted, have = get_accelerator().device_name(), self.root_device.type
         if have != wanted:
@@ -90,6 +111,7 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
         super().setup_environment()
 
     def setup_distributed(self) -> None:
+        """DDP's process group, then DeepSpeed's distributed set-up on it."""
         super().setup_distributed()
         import deepspeed
         FabricDeepSpeedStrategy._set_node_environment_variables(self)   # what deepspeed.init_distributed reads
@@ -98,6 +120,12 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
+        """Build an engine of each model the LightningModule holds (see the module doc) instead of wrapping it in DDP.
+
+        Raises ValueError when the Trainer's precision is not ``"32-true"``, when the LightningModule
+        uses automatic optimization, when its optimizers do not map one to one onto child modules, or
+        when ``configs`` names an attribute that is not a child module.
+        """
         self.accelerator.setup(trainer)
         precision = self.precision_plugin.precision
         if precision != "32-true":
@@ -168,21 +196,26 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
         route(lm, self._engines.values())   # self.zero_grad() reaches the engines (zero_grad.py)
 
     def model_to_device(self) -> None:
+        """Move the LightningModule to the strategy's root device, as DDP does."""
         self.model.to(self.root_device)
 
     def configure_ddp(self) -> None:
+        """Nothing: no model is wrapped in DDP, the engines reduce their own gradients."""
         pass   # nothing is wrapped in DDP: the engines reduce their own gradients
 
     # ------------------------------------------------------------------ checkpoints
     @property
     def restore_checkpoint_after_setup(self) -> bool:
+        """True: a checkpoint is restored after ``setup``, once the engines exist to load into."""
         return True   # the engines must exist to load into them
 
     @property
     def lightning_restore_optimizer(self) -> bool:
+        """False: each engine's optimizer state is restored from the set checkpoint, not by Lightning."""
         return False  # each engine's optimizer state is in the set checkpoint
 
     def optimizer_state(self, optimizer) -> dict:
+        """An empty dict: the optimizer's state is saved in the set checkpoint, with its engine."""
         return {}     # in the set checkpoint, with its engine
 
     def _engine_prefixes(self):
@@ -194,6 +227,11 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
         return {k: v for k, v in self.lightning_module.state_dict().items() if not k.startswith(prefixes)}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        """Load the weights outside the engines (the engines' come from the set checkpoint).
+
+        With ``strict``, the checkpoint's weights outside the engines must be exactly the module's
+        (KeyError otherwise).
+        """
         prefixes = self._engine_prefixes()
         expected = {k for k in self.lightning_module.state_dict() if not k.startswith(prefixes)}
         given = checkpoint["state_dict"]
@@ -204,6 +242,10 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
         assert not unexpected, unexpected
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """One set checkpoint of every engine in the directory ``filepath``, ``checkpoint`` as its client state.
+
+        Refused: ``storage_options`` (TypeError), and a save before ``fit`` built the engines (ValueError).
+        """
         if storage_options is not None:
             raise TypeError("MultiDeepSpeedTrainerStrategy.save_checkpoint(storage_options=...) is not supported: "
                             "DeepSpeed writes each engine's partitioned state itself.")
@@ -213,17 +255,24 @@ class MultiDeepSpeedTrainerStrategy(DDPStrategy):
         set_checkpoint.save_checkpoint(path, self._engines, client_state=checkpoint)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Load the set checkpoint at ``checkpoint_path`` into the engines; return Lightning's checkpoint.
+
+        What is returned is the client state that :meth:`save_checkpoint` saved. Refused (ValueError)
+        before ``fit`` built the engines.
+        """
         if not self._engines:
             raise ValueError("ckpt_path=...: MultiDeepSpeedTrainerStrategy resumes a fit (trainer.fit(..., "
                              "ckpt_path=...)), where the engines exist to load into.")
         return set_checkpoint.load_checkpoint(self.broadcast(os.fspath(checkpoint_path)), self._engines)
 
     def remove_checkpoint(self, filepath) -> None:
+        """Remove the set checkpoint's directory ``filepath`` (on the global rank 0)."""
         if self.is_global_zero and os.path.isdir(filepath):
             import shutil
             shutil.rmtree(filepath)
 
     def teardown(self) -> None:
+        """Destroy every engine and put each model back on the LightningModule, then DDP's teardown."""
         lm = self.lightning_module
         if lm is not None:
             unroute(lm)

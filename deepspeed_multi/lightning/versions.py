@@ -8,8 +8,17 @@ TESTED = ("2.6",)  # major.minor
 
 
 def check_lightning() -> None:
-    """Refuse a Lightning release other than the tested ones: the strategy hooks into its Fabric
-    and connector code paths (setup, backward, optimizer step, checkpointing)."""
+    """Refuse a Lightning release other than the tested ones (``TESTED``).
+
+    The strategies hook into Lightning's Fabric and connector code paths (setup, backward, optimizer
+    step, checkpointing); ``DSM_ALLOW_UNTESTED_LIGHTNING=1`` runs another release anyway. Both
+    strategies call it when they are built.
+
+    Raises:
+        ImportError: when Lightning is not installed.
+        RuntimeError: when the installed release is not one in ``TESTED`` and the switch is off; the
+            message names the tested releases, the installed one and the switch.
+    """
     try:
         installed = md.version("lightning")
     except md.PackageNotFoundError:

@@ -5,7 +5,8 @@ import torch
 
 from ..autograd.tree import tree_tensors
 from ..config import enabled
-from ..zero import stage3_joined_fetch, stage3_prefetch
+from ..zero.stage3 import joined_fetch as stage3_joined_fetch
+from ..zero.stage3 import prefetch as stage3_prefetch
 from . import clip, construct, optimizer as parts_optimizer
 from .engine import PartedEngine, PartsOptimizer
 from .plan import REST, Plan
@@ -82,7 +83,7 @@ def _reset_rest_trace_at_model_forward(model, rest):
 
 def _drain_zero3_parts_after_model_forward(model, engines):
     """MultiEngine.forward drains ZeRO-3 prefetches no backward will consume (a frozen engine, or
-    outputs that need no gradient: see zero/stage3_prefetch.py); the parts' forwards are the
+    outputs that need no gradient: see zero/stage3/prefetch.py); the parts' forwards are the
     model's, so the end of the model's forward does it for them."""
     zero3 = [e for e in engines.values() if e.zero_optimization_stage() == 3]
     if not zero3:

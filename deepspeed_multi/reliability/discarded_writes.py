@@ -26,7 +26,7 @@ _NAME = "_dsm_written_name"  # on each ZeRO-3 parameter of a MultiEngine: "<engi
 
 def _written(param) -> bool:
     """Does this rank's slice of the gathered ``param`` differ from the partition it keeps?"""
-    from ..zero.stage3_cast_on_gather import partition_value
+    from ..zero.stage3.cast_on_gather import partition_value
     import deepspeed.comm as dist
     kept = partition_value(param)
     full = param.data.reshape(-1)

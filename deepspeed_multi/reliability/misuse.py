@@ -2,7 +2,7 @@
 names the engine and the fix.
 
 [Note: the misuse catalogue]
-What each mistake meets (README "Failure and recovery" lists upstream's behaviour beside it):
+What each mistake meets (docs/limits.md, "Misuse", lists upstream's behaviour beside it):
 
 * step() or zero_grad() while a backward pass is running and either is producing this
   engine's gradients or will still reach it (e.g. from a tensor hook): refused
@@ -59,6 +59,32 @@ def refuse_inside_backward(engine, what: str) -> None:
     raise RuntimeError(f"MultiEngine ({engine._engine_name()}): {what} called {when}; its gradients would "
                        f"{'land in the next window' if what == 'step()' else 'be partly discarded'}. Call {what} "
                        "after loss.backward() returns.")
+
+
+def refuse_if_destroyed(engine, what: str) -> None:
+    if engine._state is TrainingState.DESTROYED:
+        raise RuntimeError(
+            f"MultiEngine ({engine._engine_name()}): {what} called after engine.destroy() (Accelerate's free_memory() "
+            "calls it, as does the start of Trainer.train()): its hooks and buffers are gone. Build a new engine over "
+            "engine.module with deepspeed_multi.initialize, as the Trainer does.")
+
+
+def refuse_step_now(engine) -> None:
+    """``step()`` on a destroyed engine, inside a backward, or after a backward through it failed part way."""
+    refuse_if_destroyed(engine, "step()")
+    refuse_inside_backward(engine, "step()")
+    if engine._state is TrainingState.IN_BACKWARD:
+        raise RuntimeError(f"MultiEngine ({engine._engine_name()}): step() called after a backward pass through "
+                           "this engine failed part way; call engine.zero_grad() to discard its partial "
+                           "gradients, then run it again.")
+
+
+def refuse_double_backward_at_zero3(engine) -> None:
+    raise RuntimeError(
+        f"MultiEngine ({engine._engine_name()}, ZeRO stage 3): backward with create_graph=True (double "
+        "backward, e.g. a gradient penalty from torch.autograd.grad) is not supported; ZeRO-3 partitions "
+        "the parameters that the double backward needs as soon as the first backward leaves them. Use "
+        "ZeRO stage <= 2 for this engine.")
 
 
 _BACKPROPAGATED = "_dsm_backpropagated_by"

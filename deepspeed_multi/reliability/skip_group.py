@@ -74,7 +74,7 @@ class SkipGroup:
 
 def _nonfinite(engine) -> torch.Tensor:
     if engine._skip_watch is None:
-        from ..zero.stage3_lazy_grads import nonfinite
+        from ..zero.stage3.lazy_grads import nonfinite
         found = nonfinite(engine.optimizer)
         return found if found is not None else engine._nonfinite
     return engine._nonfinite

@@ -1,15 +1,15 @@
 """ZeRO integration: what MultiEngine changes in DeepSpeed's ZeRO optimizers, installed in one order.
 
 Correctness (always): ``buffers`` (gradients kept and discarded with PyTorch's meaning),
-``stage3_counters`` (a retained graph backpropagated again at ZeRO-3), the direct-use check
-(``autograd.outside_use``), ``stage3_predivide`` (ZeRO-3 averaging at
+``stage3.counters`` (a retained graph backpropagated again at ZeRO-3), the direct-use check
+(``autograd.outside_use``), ``stage3.predivide`` (ZeRO-3 averaging at
 ``gradient_predivide_factor`` == world size), ``sequence_parallel`` (averaging over the
 sequence-data-parallel group under Ulysses SP at ZeRO-1/2; DeepSpeed's tiled loss refused there),
 ``offload_grads`` (no stale gradient after a window without one under CPU offload) and
-``stage12_round_robin`` (each parameter linked to its own fp32 slice under ``round_robin_gradients``),
-the last four installed here before the fast paths, and ``stage1_overlap_order`` (ZeRO-1's update
+``stage12.round_robin`` (each parameter linked to its own fp32 slice under ``round_robin_gradients``),
+the last four installed here before the fast paths, and ``stage12.overlap_order`` (ZeRO-1's update
 reduces in the backward's order where the config asked for ``overlap_comm``: upstream's bits) and
-``stage0_fp16_norm`` (fp16 ZeRO-0's unfused optimizer keeps the gradient norm unscaled). Fast paths
+``stage0.fp16_norm`` (fp16 ZeRO-0's unfused optimizer keeps the gradient norm unscaled). Fast paths
 (each gives DeepSpeed's bits, each checked by ``compat.fast_path_exact`` and skipped where it
 does not apply):
 
@@ -50,11 +50,24 @@ import logging
 
 from .. import compat, ops
 from ..switches import FUSED_ZERO, switch_on
-from . import (bucket_size, master_alias, offload_grads, sequence_parallel, stage3_cast_on_gather, stage3_grad_view,
-               stage3_joined_fetch, stage3_lazy_grads, stage3_partition, stage3_predivide, stage3_rank_order,
-               stage3_release_between, stage3_scatter,
-               stage12_bucket_pack, stage12_grad_view, stage12_hook_count, stage12_overflow, stage12_reduce,
-               stage12_round_robin, stage1_overlap_order, stage0_fp16_norm)
+from . import bucket_size, master_alias, offload_grads, sequence_parallel
+from .stage0 import fp16_norm as stage0_fp16_norm
+from .stage12 import bucket_pack as stage12_bucket_pack
+from .stage12 import grad_view as stage12_grad_view
+from .stage12 import hook_count as stage12_hook_count
+from .stage12 import overflow as stage12_overflow
+from .stage12 import overlap_order as stage1_overlap_order
+from .stage12 import reduce as stage12_reduce
+from .stage12 import round_robin as stage12_round_robin
+from .stage3 import cast_on_gather as stage3_cast_on_gather
+from .stage3 import grad_view as stage3_grad_view
+from .stage3 import joined_fetch as stage3_joined_fetch
+from .stage3 import lazy_grads as stage3_lazy_grads
+from .stage3 import partition as stage3_partition
+from .stage3 import predivide as stage3_predivide
+from .stage3 import rank_order as stage3_rank_order
+from .stage3 import release_between as stage3_release_between
+from .stage3 import scatter as stage3_scatter
 
 logger = logging.getLogger(__name__)
 FUSED = (stage3_partition, stage3_scatter, stage12_reduce, stage12_bucket_pack)

@@ -37,7 +37,7 @@ import torch
 
 from .. import compat
 from ..switches import BUCKET_SIZE, switch_on
-from . import stage3_rank_order
+from .stage3 import rank_order as stage3_rank_order
 
 FEATURE_Z12 = "stage12_bucket_size"
 FEATURE_Z3 = "stage3_bucket_size"

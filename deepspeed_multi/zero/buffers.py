@@ -11,7 +11,8 @@ import inspect
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from . import stage12_bucket_pack, stage3_lazy_grads
+from .stage12 import bucket_pack as stage12_bucket_pack
+from .stage3 import lazy_grads as stage3_lazy_grads
 
 
 def start_window(optimizer) -> None:

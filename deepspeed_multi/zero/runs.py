@@ -1,6 +1,6 @@
 """Runs of tensors that lie one after another in one storage: where a flatten needs no copy.
 
-The fused bucket passes and the gradient views of the update (stage12_*, stage3_*) ask these
+The fused bucket passes and the gradient views of the update (stage12/, stage3/) ask these
 whether a list of gradient views is one run, and take a 1-D view over it instead of a copy.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ So on an optimizer built under SP the attribute those divisions read, ``sequence
 is 1 on the instance (DeepSpeed's value kept as ``_dsm_sequence_parallel_size``): each division is
 by W, DeepSpeed's own code otherwise. The one other use of the attribute, ZeRO-1/2's
 ``allreduce_bucket`` communicating in fp32 under SP, is kept by passing fp32 to it (and
-``stage12_reduce`` asks :func:`size`). Without SP (s = 1) nothing is installed. A correctness fix,
+``stage12.reduce`` asks :func:`size`). Without SP (s = 1) nothing is installed. A correctness fix,
 installed before the fast paths.
 
 [Note: TiledFusedLogitsLoss under sequence parallelism]

@@ -311,7 +311,8 @@ def bucket_buffers_sized(stage, dtype, overlap):
     """DeepSpeed's default reduce_bucket_size (5e8) on a small model: the bucket buffers hold the
     engine's trainable elements, buckets flush where DeepSpeed's do, results are plain PyTorch's."""
     from deepspeed_multi import compat
-    from deepspeed_multi.zero import bucket_size, stage3_rank_order
+    from deepspeed_multi.zero import bucket_size
+    from deepspeed_multi.zero.stage3 import rank_order as stage3_rank_order
     gas, big = 2, 5 * 10**8
     model = MLP(seed=1)
     cfg = ds_config(stage, dtype, gas=gas)
@@ -426,13 +427,13 @@ def master_aliased(stage, sub_group_size, path):
 
 
 def lazy_grad_partitions(dtype):
-    """ZeRO-3 (deepspeed_multi/zero/stage3_lazy_grads.py): a sub-group's gradient partition is
+    """ZeRO-3 (deepspeed_multi/zero/stage3/lazy_grads.py): a sub-group's gradient partition is
     allocated when its first gradient is reduced and dropped after the update; the updates are
     DeepSpeed's bits (DSM_ZERO3_LAZY_GRADS=0) and, in fp32, plain PyTorch's; in fp16 an inf on one
     rank skips the same update; what runs before offload_states puts DeepSpeed's flat buffer back,
     holding the same gradients."""
     from deepspeed_multi import compat
-    from deepspeed_multi.zero import stage3_lazy_grads as lazy
+    from deepspeed_multi.zero.stage3 import lazy_grads as lazy
     gas = 2
     cfg = ds_config(3, dtype, gas=gas, gradient_clipping=1.0, zero_optimization={"sub_group_size": 100})
 
@@ -505,7 +506,7 @@ def _assert_deepspeeds_bits(engine, theirs, what, values=True):
 
 
 def cast_on_gather(dtype, path, persistence=0):
-    """bf16/fp16 ZeRO-3 (deepspeed_multi/zero/stage3_cast_on_gather.py): no 16-bit partition is
+    """bf16/fp16 ZeRO-3 (deepspeed_multi/zero/stage3/cast_on_gather.py): no 16-bit partition is
     held between gathers; the forward's values, the losses and the updates are DeepSpeed's bits
     (DSM_ZERO3_CAST_ON_GATHER=0) through a write under GatheredParameters (kept until the next
     update, then overwritten by the master, as DeepSpeed does), a master write with
@@ -517,7 +518,7 @@ def cast_on_gather(dtype, path, persistence=0):
     from deepspeed.utils import safe_set_full_fp32_param
 
     from deepspeed_multi import compat
-    from deepspeed_multi.zero import stage3_cast_on_gather as cog
+    from deepspeed_multi.zero.stage3 import cast_on_gather as cog
     gas = 2
     cfg = ds_config(3, dtype, gas=gas, gradient_clipping=1.0,
                     zero_optimization={"sub_group_size": 100, "stage3_param_persistence_threshold": persistence})
@@ -606,7 +607,7 @@ def cast_on_gather_hf():
     from hf_models import causal_lm, tokens
 
     from deepspeed_multi import compat
-    from deepspeed_multi.zero import stage3_cast_on_gather as cog
+    from deepspeed_multi.zero.stage3 import cast_on_gather as cog
     cfg = ds_config(3, "bf16", gas=1, gradient_clipping=1.0)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100  # the norms' 16 elements persist
 
@@ -648,7 +649,7 @@ def cast_on_gather_universal(path):
 
     from deepspeed_multi import compat
     from deepspeed_multi.checkpoint import resize
-    from deepspeed_multi.zero import stage3_cast_on_gather as cog
+    from deepspeed_multi.zero.stage3 import cast_on_gather as cog
     build = functools.partial(_adamw_engine, ds_config(3, "bf16", zero_optimization={"sub_group_size": 100}))
     saved_engine = build()
     _train(saved_engine, 3)
@@ -767,7 +768,7 @@ def _assert_nothing_of_ours(module, what):
 
 
 def round_robin_fp32_links(path):
-    """zero/stage12_round_robin.py: [Note: round-robin fp32 links]. ZeRO-1/2, fp32/bf16/fp16, with
+    """zero/stage12/round_robin.py: [Note: round-robin fp32 links]. ZeRO-1/2, fp32/bf16/fp16, with
     ``round_robin_gradients``: every parameter's fp32 master as DeepSpeed's API reads it
     (``safe_get_full_fp32_param``) is its own (the 16-bit parameter is that master rounded), its AdamW
     state and master equal to an engine without round robin, trained on the same batches (bit-equal:
@@ -895,13 +896,13 @@ class _OddBlocks(nn.Module):
 
 
 def rank_order_bitwise(dtype):
-    """deepspeed_multi/zero/stage3_rank_order.py: [Note: a bucket laid out for the reduce-scatter]. ZeRO-3
+    """deepspeed_multi/zero/stage3/rank_order.py: [Note: a bucket laid out for the reduce-scatter]. ZeRO-3
     buckets of 100 elements flush part full; the regions are reduce-scattered as a list (gloo) and,
     forced, moved together first (the path of other backends). AdamW updates with gradient clipping
     are plain PyTorch's in fp32 and, on 2 ranks, DeepSpeed's bits (DSM_ZERO3_RANK_ORDER=0) in fp32 and
     bf16; each bucket buffer is the regions' size and the stand-in gradients are gone after backward."""
     from deepspeed_multi import compat
-    from deepspeed_multi.zero import stage3_rank_order as rank_order
+    from deepspeed_multi.zero.stage3 import rank_order
     gas, world = 2, dist.get_world_size()
     cfg = ds_config(3, dtype, gas=gas, gradient_clipping=0.5, zero_optimization={"reduce_bucket_size": 100})
 

@@ -181,7 +181,7 @@ def _zero3_bf16_engine(cast_on_gather):
 
 def zero3_partition_assigned():
     """``param.ds_tensor.data = value`` on bf16 ZeRO-3: used by the following forwards until the next
-    update, as DeepSpeed's own 16-bit partition (stage3_cast_on_gather.py, _take_assigned)."""
+    update, as DeepSpeed's own 16-bit partition (stage3/cast_on_gather.py, _take_assigned)."""
     runs = []
     for cast_on_gather in (False, True):
         engine = _zero3_bf16_engine(cast_on_gather)

@@ -342,7 +342,7 @@ def _fp16_zero0(initialize, updates=2):
 
 def fp16_zero0_norm_as_upstream():
     """fp16 at ZeRO-0 (DeepSpeed-Chat's stage-0 default): DeepSpeed's unfused fp16 optimizer keeps the norm of
-    the gradients it gets, and ours gets them loss-scaled, as they must be (zero/stage0_fp16_norm.py): its first
+    the gradients it gets, and ours gets them loss-scaled, as they must be (zero/stage0/fp16_norm.py): its first
     update's norm is upstream's, bit for bit, not 2**initial_scale_power times it. The trajectories part: upstream
     0.19.8 no longer scales the loss there but still divides by the scale, so its SGD updates are 256 times too
     small here and round to about nothing in fp16 (asserted, so that a release that fixes it shows here), while

@@ -148,7 +148,7 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = Fa
     for e in engines:
         e["bucket"] = buckets.choice([64, 4096])
     # ZeRO-3 prefetch buckets with room for several engines' parameters, so that their first fetches
-    # of a forward are joined (zero/stage3_joined_fetch.py); a stream of its own, as the buckets'.
+    # of a forward are joined (zero/stage3/joined_fetch.py); a stream of its own, as the buckets'.
     fetch = random.Random(f"fetch-{seed}")
     for e in engines:
         if e["stage"] == 3 and fetch.random() < 0.6:
@@ -158,7 +158,7 @@ def draw(seed: int, profile: str = "fp32", knobs: bool = False, parts: bool = Fa
             e["knobs"] = _draw_knobs(random.Random(f"knobs-{seed}-{i}"), e["stage"], profile)
             _draw_more_knobs(random.Random(f"knobs2-{seed}-{i}"), e, profile)
             if e["stage"] == 3 and random.Random(f"knobs3-{seed}-{i}").random() < 0.5:  # several update sub-groups
-                e["knobs"]["zero"]["sub_group_size"] = 100  # (and gradient partitions, zero/stage3_lazy_grads.py)
+                e["knobs"]["zero"]["sub_group_size"] = 100  # (and gradient partitions, zero/stage3/lazy_grads.py)
     elif parts:
         _draw_parts(random.Random(f"parts-{seed}"), engines)
     rebuild = _draw_rebuild(random.Random(f"rebuild-{seed}"), engines) if profile == "fp32" else []
@@ -230,7 +230,7 @@ def _draw_more_knobs(rng, engine, profile):
             top["data_types"] = {"grad_accum_dtype": "fp32"}
         if rng.random() < 0.3:
             top["communication_data_type"] = "fp32"
-        if stage in (1, 2) and rng.random() < 0.3:  # zero/stage12_round_robin.py
+        if stage in (1, 2) and rng.random() < 0.3:  # zero/stage12/round_robin.py
             zero["round_robin_gradients"] = True
 
 

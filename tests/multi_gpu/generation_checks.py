@@ -1,6 +1,6 @@
 """Generation from ZeRO-3 engines inside training loops (rank functions for test_generation.py).
 
-[Note: generation from a ZeRO-3 engine] (zero/stage3_generation.py): each rank generates a number of
+[Note: generation from a ZeRO-3 engine] (zero/stage3/generation.py): each rank generates a number of
 tokens of its own (rank 0 three, rank 1 nine: sequences that end at different lengths, as sampling with
 an EOS gives), greedily, and the outputs must equal the same model's unsharded ``generate``; every check
 then runs a collective of another engine (a ZeRO-2 update), which a rank still waiting in a gather
@@ -83,7 +83,7 @@ def _full_state(engine):
     the optimizer state of this rank, and the gradients pending in the window (ZeRO-3's partitions)."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state
 
-    from deepspeed_multi.zero.stage3_cast_on_gather import partition_value
+    from deepspeed_multi.zero.stage3.cast_on_gather import partition_value
     state = {}
     for n, p in engine.module.named_parameters():
         state[f"partition/{n}"] = partition_value(p).detach().clone()  # (bf16: the master's cast, as gathered)
@@ -193,7 +193,7 @@ def generation_gather_bytes_bounds_the_mode():
     """A bound below the model's bytes: generate gathers module by module, synced (no mode), equal to
     unsharded; the option refuses a bad value."""
     from common import expect_error
-    from deepspeed_multi.zero import stage3_generation
+    from deepspeed_multi.zero.stage3 import generation as stage3_generation
     torch.manual_seed(0)
     model = causal_lm(num_hidden_layers=LAYERS)
     engine, *_ = deepspeed_multi.initialize(model=model, config=zero3_config(bound=1024))

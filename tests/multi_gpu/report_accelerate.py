@@ -1,5 +1,5 @@
 """Run the Accelerate loops through deepspeed_multi.accelerate.Accelerator and plain accelerate.Accelerator
-and print them side by side (the README's "With Accelerate" table, docs/accelerate_loops.md).
+and print them side by side (the loop table of docs/accelerate.md, docs/accelerate_loops.md).
 
     python tests/multi_gpu/report_accelerate.py [--json out.json]
 

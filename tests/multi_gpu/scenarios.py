@@ -501,7 +501,7 @@ SCENARIOS["llava-llama-z3-fp16-gas2"] = functools.partial(_llava, 3, "fp16", arc
 
 
 # DeepSpeed's knobs (issue 24). ZeRO-3 with reduce_scatter off and gradient_predivide_factor equal to
-# the world size (2) averaged 2x too small in DeepSpeed (zero/stage3_predivide.py); 4 was right.
+# the world size (2) averaged 2x too small in DeepSpeed (zero/stage3/predivide.py); 4 was right.
 _NO_SCATTER = dict(reduce_scatter=False)
 
 

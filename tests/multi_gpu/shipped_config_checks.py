@@ -61,7 +61,7 @@ Expected = namedtuple("Expected", "config check text reason")
 # Empty: the failures known when this test was written were fixed before it landed (overlap_comm at ZeRO-0/1
 # refused at initialize: axolotl's zero1.json, DeepSpeed-Chat's builder at every stage; ZeRO-0 refused under
 # deepspeed_multi.transformers.Trainer: LLaMA-Factory's ds_z0_config.json; the fp16 ZeRO-0 norm kept loss-scaled:
-# zero/stage0_fp16_norm.py). A ZeRO-3 grad_norm one fp32 ulp off upstream's under the Trainer, reported once, was
+# zero/stage0/fp16_norm.py). A ZeRO-3 grad_norm one fp32 ulp off upstream's under the Trainer, reported once, was
 # not seen with any config here.
 EXPECTED_FAILURES = []
 

@@ -37,7 +37,7 @@ def test_destroy_hands_the_module_back(stage):
 
 
 def test_round_robin_fp32_links(tmp_path):
-    """deepspeed_multi/zero/stage12_round_robin.py: [Note: round-robin fp32 links]."""
+    """deepspeed_multi/zero/stage12/round_robin.py: [Note: round-robin fp32 links]."""
     run_distributed(checks.round_robin_fp32_links, str(tmp_path))
 
 
@@ -62,7 +62,7 @@ def test_skip_group_skips_together(stages):
 
 def test_bucket_buffers_sized_for_the_engine():
     """deepspeed_multi/zero/bucket_size.py: [Note: buckets sized for the engine]; zero/block_sizes.py:
-    [Note: sizes from the model's block]; zero/stage3_rank_order.py: [Note: a bucket laid out for the
+    [Note: sizes from the model's block]; zero/stage3/rank_order.py: [Note: a bucket laid out for the
     reduce-scatter]."""
     run_distributed(_buckets)
 
@@ -85,21 +85,21 @@ def _buckets():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_zero3_gradient_partitions_live_from_first_gradient_to_update(dtype):
-    """deepspeed_multi/zero/stage3_lazy_grads.py: [Note: ZeRO-3's gradient partitions between updates]."""
+    """deepspeed_multi/zero/stage3/lazy_grads.py: [Note: ZeRO-3's gradient partitions between updates]."""
     run_distributed(checks.lazy_grad_partitions, dtype)
 
 
 @pytest.mark.parametrize("dtype, persistence", [("bf16", 0), ("fp16", 0), ("bf16", 100)])
 def test_zero3_16bit_partition_cast_from_master_at_gather(dtype, persistence, tmp_path):
-    """deepspeed_multi/zero/stage3_cast_on_gather.py: [Note: one parameter partition in mixed precision]."""
+    """deepspeed_multi/zero/stage3/cast_on_gather.py: [Note: one parameter partition in mixed precision]."""
     run_distributed(checks.cast_on_gather, dtype, str(tmp_path), persistence)
 
 
 def test_zero3_16bit_partition_cast_from_master_on_a_transformers_model():
-    """deepspeed_multi/zero/stage3_cast_on_gather.py on a model built partitioned, with tied embeddings."""
+    """deepspeed_multi/zero/stage3/cast_on_gather.py on a model built partitioned, with tied embeddings."""
     run_distributed(checks.cast_on_gather_hf)
 
 
 def test_zero3_16bit_partition_cast_from_master_through_a_universal_checkpoint(tmp_path):
-    """deepspeed_multi/zero/stage3_cast_on_gather.py: DeepSpeed's universal-checkpoint load runs on its layout."""
+    """deepspeed_multi/zero/stage3/cast_on_gather.py: DeepSpeed's universal-checkpoint load runs on its layout."""
     run_distributed(checks.cast_on_gather_universal, str(tmp_path))

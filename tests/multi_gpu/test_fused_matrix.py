@@ -52,8 +52,8 @@ def check_with_large_buckets(names, bucket, fp32_accum, world):
 
     calls = dict.fromkeys(("pack", "pack_partitions", "unpack_accumulate"), 0)
     originals = {name: getattr(ops, name) for name in calls}
-    from deepspeed_multi.zero import stage12_reduce as fused_zero
-    from deepspeed_multi.zero import stage3_rank_order as rank_order
+    from deepspeed_multi.zero.stage12 import reduce as fused_zero
+    from deepspeed_multi.zero.stage3 import rank_order
     as_run, laid_out = fused_zero._bucket_as_run, rank_order.scatter
 
     def counting_laid_out(*args):  # ZeRO-3: the bucket reduce-scattered where its regions lie

@@ -1,6 +1,6 @@
 """The Lightning examples (examples/lightning/) in their short mode on 2 CPU processes under torchrun:
 each must finish and show its loss falling (the example exits non-zero otherwise). Plain
-Lightning DeepSpeed on the same programs is recorded in README ("With Lightning"), not here."""
+Lightning DeepSpeed on the same programs is recorded in docs/lightning.md, not here."""
 import os
 import subprocess
 import sys

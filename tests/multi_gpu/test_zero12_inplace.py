@@ -1,4 +1,4 @@
-"""The ZeRO-1/2 bucket all-reduced where it lies (zero/stage12_reduce.py, [Note: the ZeRO-1/2 bucket reduced
+"""The ZeRO-1/2 bucket all-reduced where it lies (zero/stage12/reduce.py, [Note: the ZeRO-1/2 bucket reduced
 where it lies]) is bit-identical to DeepSpeed's flatten, all-reduce and copy-back.
 
 Per config two engines train on the same batches, one with the fused passes and one with
@@ -44,7 +44,7 @@ def _batch(step, rank, dtype):
 
 
 def _check(name):
-    from deepspeed_multi.zero import stage12_reduce as fused_zero
+    from deepspeed_multi.zero.stage12 import reduce as fused_zero
     stage, dtype, gas, clip, _, zero_extra, fp32_accum = CONFIGS[name]
     rank = dist.get_rank()
     # 256-element buckets: the 552 parameters of the model reduce in several buckets per backward.

@@ -1,4 +1,4 @@
-"""ZeRO-1/2's update reads this rank's gradient partition as a view (zero/stage12_grad_view.py).
+"""ZeRO-1/2's update reads this rank's gradient partition as a view (zero/stage12/grad_view.py).
 
 Per config, three models train on the same global batch: a ZeRO-1/2 engine with the view, one
 with DeepSpeed's flatten (DSM_ZERO12_GRAD_VIEW=0 at construction), and plain PyTorch (AdamW,
@@ -104,7 +104,7 @@ def _expected(options, rank, world):
 
 
 def _check(name):
-    from deepspeed_multi.zero import stage12_grad_view as zero12_step
+    from deepspeed_multi.zero.stage12 import grad_view as zero12_step
     stage, dtype, clip, gas, model_kwargs, zero_extra, options = CONFIGS[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ds_config(stage, dtype, gas=gas, gradient_clipping=clip, zero_optimization=zero_extra)

@@ -1,5 +1,5 @@
-"""Several ZeRO-3 engines' first forward fetches as one all-gather (zero/stage3_joined_fetch.py), and
-what an engine keeps gathered after its forward released while the others run (stage3_release_between.py).
+"""Several ZeRO-3 engines' first forward fetches as one all-gather (zero/stage3/joined_fetch.py), and
+what an engine keeps gathered after its forward released while the others run (stage3/release_between.py).
 
 Each program trains its engines twice on the same batches in the same ranks: with the joined
 fetch and with each engine fetching its own (``DSM_ZERO3_JOINED_FETCH=0`` at construction).
@@ -29,7 +29,8 @@ import deepspeed
 import deepspeed.comm as dist
 import deepspeed_multi
 from deepspeed_multi import compat
-from deepspeed_multi.zero import stage3_joined_fetch, stage3_release_between
+from deepspeed_multi.zero.stage3 import joined_fetch as stage3_joined_fetch
+from deepspeed_multi.zero.stage3 import release_between as stage3_release_between
 from common import MLP, ds_config, full_params
 from harness import run_distributed
 

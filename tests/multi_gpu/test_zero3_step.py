@@ -1,4 +1,4 @@
-"""ZeRO-3's update reads its fp32 gradient as a view of the partition buffer (zero/stage3_grad_view.py).
+"""ZeRO-3's update reads its fp32 gradient as a view of the partition buffer (zero/stage3/grad_view.py).
 
 Per config, three models train on the same global batch: a ZeRO-3 engine with the view, one
 with DeepSpeed's flattened copy (DSM_ZERO3_GRAD_VIEW=0 at construction), and plain PyTorch
@@ -19,7 +19,7 @@ import torch
 import deepspeed.comm as dist
 import deepspeed_multi
 from deepspeed_multi import compat
-from deepspeed_multi.zero.stage3_lazy_grads import grad_buffers
+from deepspeed_multi.zero.stage3.lazy_grads import grad_buffers
 from common import FP32_TOL, MLP, ds_config, full_params, record_found
 from harness import run_distributed
 
@@ -57,7 +57,7 @@ def _engine(model, cfg, view):
 
 
 def _check(name):
-    from deepspeed_multi.zero import stage3_grad_view as zero3_step
+    from deepspeed_multi.zero.stage3 import grad_view as zero3_step
     dtype, clip, gas, sub_group_size, frozen, fp32_accum = CONFIGS[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ds_config(3, dtype, gas=gas, gradient_clipping=clip, zero_optimization={"sub_group_size": sub_group_size})

@@ -13,7 +13,7 @@ import pytest
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from deepspeed_multi import compat
-from deepspeed_multi.zero import stage12_reduce
+from deepspeed_multi.zero.stage12 import reduce as stage12_reduce
 from fake_zero import fake
 
 PACKAGE = Path(compat.__file__).resolve().parent

@@ -14,7 +14,9 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from deepspeed_multi import compat, switches
-from deepspeed_multi.zero import install_fused, stage3_partition, stage12_reduce
+from deepspeed_multi.zero import install_fused
+from deepspeed_multi.zero.stage12 import reduce as stage12_reduce
+from deepspeed_multi.zero.stage3 import partition as stage3_partition
 from deepspeed_multi.zero.runs import consecutive_runs, flat_run
 from fake_zero import fake
 

@@ -1,4 +1,4 @@
-"""ZeRO-3's bucket laid out in the reduce-scatter's rank order (deepspeed_multi/zero/stage3_rank_order.py).
+"""ZeRO-3's bucket laid out in the reduce-scatter's rank order (deepspeed_multi/zero/stage3/rank_order.py).
 
 What the flush reduce-scatters must be, element for element, the buffer stage3_scatter packs at the
 flush (``ops.pack_partitions``, itself checked against DeepSpeed's interleave in test_fused_reduce.py):
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from deepspeed_multi import compat
 from deepspeed_multi.ops import reference
-from deepspeed_multi.zero import stage3_rank_order as rank_order
+from deepspeed_multi.zero.stage3 import rank_order
 
 
 class _Param:

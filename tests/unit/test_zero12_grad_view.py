@@ -15,7 +15,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepspeed_multi.zero import stage12_grad_view as zero12_step
+from deepspeed_multi.zero.stage12 import grad_view as zero12_step
 from deepspeed_multi.zero.runs import run_view
 from fake_zero import fake
 

@@ -12,7 +12,7 @@ import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from deepspeed_multi import compat
-from deepspeed_multi.zero import stage12_overflow as zero12_overflow
+from deepspeed_multi.zero.stage12 import overflow as zero12_overflow
 from fake_zero import fake
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepspeed_multi import compat
-from deepspeed_multi.zero import stage12_bucket_pack as zero2_pack
+from deepspeed_multi.zero.stage12 import bucket_pack as zero2_pack
 from fake_zero import fake
 
 

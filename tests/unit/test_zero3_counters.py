@@ -1,7 +1,7 @@
 """What one forward armed in ZeRO-3's per-module counters, and re-arming it."""
 import torch.nn as nn
 
-from deepspeed_multi.zero import stage3_counters as z3
+from deepspeed_multi.zero.stage3 import counters as z3
 
 
 def test_armed_by_forward_and_rearm():

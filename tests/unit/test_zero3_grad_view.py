@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepspeed_multi import compat
-from deepspeed_multi.zero import stage3_grad_view as zero3_step
-from deepspeed_multi.zero.stage3_grad_view import one_view
+from deepspeed_multi.zero.stage3 import grad_view as zero3_step
+from deepspeed_multi.zero.stage3.grad_view import one_view
 from fake_zero import fake
 
 

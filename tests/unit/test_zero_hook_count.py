@@ -11,7 +11,7 @@ from deepspeed.runtime.utils import count_used_parameters_in_backward
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepspeed_multi.zero.stage12_hook_count import UsedParameterCount
+from deepspeed_multi.zero.stage12.hook_count import UsedParameterCount
 
 
 def _counts_in_backward(params, counter, loss):

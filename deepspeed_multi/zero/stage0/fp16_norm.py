@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from .. import compat
+from ... import compat
 
 FEATURE = "stage0_fp16_norm"
 

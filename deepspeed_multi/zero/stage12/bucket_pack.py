@@ -25,7 +25,7 @@ recorded as the bucket's producer, as DeepSpeed records each copy's.
 """
 from __future__ import annotations
 
-from .. import compat, ops
+from ... import compat, ops
 
 FEATURE = "stage12_bucket_pack"
 

@@ -52,10 +52,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .. import compat
-from ..switches import ZERO12_GRAD_VIEW as ENV
-from ..switches import switch_on
-from .runs import one_run, run_view
+from ... import compat
+from ...switches import ZERO12_GRAD_VIEW as ENV
+from ...switches import switch_on
+from ..runs import one_run, run_view
 
 FEATURE = "stage12_grad_view"
 OVERFLOW_FEATURE = "stage12_overflow_view"

@@ -24,8 +24,8 @@ and kept would reject the full-size gradient of the next backward.
 from __future__ import annotations
 
 
-from .. import compat
-from ..autograd import graph
+from ... import compat
+from ...autograd import graph
 
 FEATURE = "stage12_hook_count"
 

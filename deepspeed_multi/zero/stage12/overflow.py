@@ -31,9 +31,9 @@ DeepSpeed's. ``DSM_ZERO12_OVERFLOW_BY_NORM=0`` keeps both collectives (for A/B b
 """
 from __future__ import annotations
 
-from .. import compat
-from ..switches import ZERO12_OVERFLOW_BY_NORM as ENV
-from ..switches import switch_on
+from ... import compat
+from ...switches import ZERO12_OVERFLOW_BY_NORM as ENV
+from ...switches import switch_on
 
 FEATURE = "stage12_overflow"
 

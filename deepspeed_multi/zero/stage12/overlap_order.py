@@ -20,8 +20,8 @@ as upstream without ``overlap_comm``).
 """
 from __future__ import annotations
 
-from .. import compat
-from ..autograd import graph
+from ... import compat
+from ...autograd import graph
 
 FEATURE = "stage1_overlap_order"
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 from torch import Tensor
 
-from .. import compat, ops
-from . import sequence_parallel
-from .runs import SUPPORTED_DTYPES, run_view
+from ... import compat, ops
+from .. import sequence_parallel
+from ..runs import SUPPORTED_DTYPES, run_view
 
 FEATURE = "stage12_reduce"
 

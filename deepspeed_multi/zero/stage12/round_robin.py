@@ -21,7 +21,7 @@ A correctness fix, installed on every supported release.
 """
 from __future__ import annotations
 
-from .. import compat
+from ... import compat
 
 FEATURE = "stage12_round_robin_links"
 _LINK = "_link_all_hp_params"

@@ -48,8 +48,8 @@ from typing import List
 
 import torch
 
-from .. import compat
-from ..switches import ZERO3_CAST_ON_GATHER, switch_on
+from ... import compat
+from ...switches import ZERO3_CAST_ON_GATHER, switch_on
 
 FEATURE = "stage3_cast_on_gather"
 FEATURE_INIT = "stage3_cast_on_gather_init"  # the gathers, on deepspeed.zero.Init

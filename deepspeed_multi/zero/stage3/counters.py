@@ -14,7 +14,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from ..autograd.tree import tree_map
+from ...autograd.tree import tree_map
 
 _PRE, _POST = "applied_pre_backward_ref_cnt", "ds_grads_remaining"
 _BACKWARD_FUNCTIONS = ("pre_bwd_fn", "post_bwd_fn")

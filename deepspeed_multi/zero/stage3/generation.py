@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from . import stage3_prefetch
+from . import prefetch as stage3_prefetch
 
 FEATURE = "stage3_generation"
 _ACTIVE = "_dsm_generation_mode"  # on the engine: True while generation_mode() runs

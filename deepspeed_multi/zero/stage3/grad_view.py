@@ -30,10 +30,10 @@ from typing import Optional
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from .. import compat
-from ..switches import ZERO3_GRAD_VIEW as ENV
-from ..switches import switch_on
-from .runs import run_view
+from ... import compat
+from ...switches import ZERO3_GRAD_VIEW as ENV
+from ...switches import switch_on
+from ..runs import run_view
 
 FEATURE = "stage3_grad_view"
 _METHOD = "_prepare_fp32_grad_for_sub_group"

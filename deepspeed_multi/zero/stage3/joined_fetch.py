@@ -21,7 +21,7 @@ Values: an all-gather moves data (no arithmetic), so parameters are bitwise thos
 engines' own fetches (asserted against ``DSM_ZERO3_JOINED_FETCH=0`` in test_zero3_joined_fetch.py and
 by the fuzzer, whose ZeRO-3 programs run with it). A prediction that does not come true (an
 engine of the previous round not called in this one) leaves that engine's share gathered until
-the next round starts, its ``step()``/``zero_grad()``/``destroy()`` (``stage3_prefetch.drain``),
+the next round starts, its ``step()``/``zero_grad()``/``destroy()`` (``prefetch.drain``),
 or a partition of it by DeepSpeed; then it is released. Every rank must gather the same
 parameters in the same order (DeepSpeed's coalesced gather lays them out by ``ds_id``): each new
 set is compared across the ranks once (one small all-reduce); a set the ranks disagree on is
@@ -43,10 +43,10 @@ from typing import List, Optional
 
 import torch
 
-from .. import compat
-from ..autograd import graph
-from ..switches import ZERO3_JOINED_FETCH, switch_on
-from . import stage3_cast_on_gather
+from ... import compat
+from ...autograd import graph
+from ...switches import ZERO3_JOINED_FETCH, switch_on
+from . import cast_on_gather as stage3_cast_on_gather
 
 logger = logging.getLogger(__name__)
 FEATURE = "stage3_joined_fetch"
@@ -195,7 +195,7 @@ def install(optimizer) -> bool:
 
 
 def release_pending(coordinator) -> None:
-    """Release what was gathered for this coordinator's next forward (``stage3_prefetch.drain``)."""
+    """Release what was gathered for this coordinator's next forward (``prefetch.drain``)."""
     _ROUNDS.release_pending(coordinator)
 
 

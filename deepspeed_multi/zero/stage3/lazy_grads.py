@@ -32,9 +32,9 @@ from typing import List, Optional
 
 import torch
 
-from .. import compat
-from ..switches import ZERO3_LAZY_GRADS, switch_on
-from .stage3_partition import _GRAD_PARTITIONS
+from ... import compat
+from ...switches import ZERO3_LAZY_GRADS, switch_on
+from .partition import _GRAD_PARTITIONS
 
 FEATURE = "stage3_lazy_grads"
 

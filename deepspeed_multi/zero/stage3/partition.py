@@ -12,9 +12,9 @@ conversion made each one a separate tensor, or the ``reduce_scatter=false`` path
 """
 from __future__ import annotations
 
-from .. import compat, ops
-from . import stage3_scatter
-from .runs import SUPPORTED_DTYPES, consecutive_runs, flat_run
+from ... import compat, ops
+from ..runs import SUPPORTED_DTYPES, consecutive_runs, flat_run
+from . import scatter as stage3_scatter
 
 FEATURE = "stage3_partition"
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"

@@ -19,7 +19,7 @@ DeepSpeed (``stage3_scatter`` does not apply when f != 1).
 """
 from __future__ import annotations
 
-from .. import compat
+from ... import compat
 
 FEATURE = "stage3_predivide"
 _CONTIGUOUS = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads"

@@ -12,7 +12,7 @@ every forward of a frozen engine (it has no step(); e.g. its output used detache
 GatheredParameters), and the end of a backward through a frozen engine. A backward that follows
 re-gathers what it needs.
 """
-from . import stage3_joined_fetch
+from . import joined_fetch as stage3_joined_fetch
 
 
 def drain(engine) -> None:

@@ -41,9 +41,9 @@ from typing import List
 
 import torch
 
-from .. import compat
-from ..switches import ZERO3_RANK_ORDER, switch_on
-from . import runs
+from ... import compat
+from ...switches import ZERO3_RANK_ORDER, switch_on
+from .. import runs
 
 FEATURE = "stage3_rank_order"
 _MAX_PIECES = 8  # a region moved in more pieces than this is sent with its unused tail instead

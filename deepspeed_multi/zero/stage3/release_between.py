@@ -30,11 +30,12 @@ from __future__ import annotations
 import collections
 import weakref
 
-from .. import compat
-from ..autograd import graph
-from ..state import TrainingState
-from ..switches import ZERO3_RELEASE_BETWEEN, switch_on
-from . import block_sizes, stage3_joined_fetch, stage3_prefetch
+from ... import compat
+from ...autograd import graph
+from ...state import TrainingState
+from ...switches import ZERO3_RELEASE_BETWEEN, switch_on
+from .. import block_sizes
+from . import joined_fetch as stage3_joined_fetch, prefetch as stage3_prefetch
 
 FEATURE = "stage3_release_between"
 _RELEASE = stage3_joined_fetch._MANGLED + "release_param"

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import compat, ops
-from . import runs, stage3_predivide, stage3_rank_order
-from .runs import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
+from ... import compat, ops
+from .. import runs
+from ..runs import SUPPORTED_DTYPES as _SUPPORTED_DTYPES
+from . import predivide as stage3_predivide, rank_order as stage3_rank_order
 
 FEATURE = "stage3_scatter"
 _METHOD = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
