@@ -29,7 +29,7 @@ OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_accelerate.p
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite test-peer-programs demo bench test-bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite test-peer-programs docs docs-check demo bench test-bench fuzz clean
 
 setup: $(STAMP)
 
@@ -46,12 +46,12 @@ PREBUILD = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.comm.torch import build_sh
 # (tests/multi_gpu/test_shipped_configs.py), and a first build inside a test would spend its deadline.
 PREBUILD_CPU_ADAM = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
 	|| echo "note: DeepSpeed's CPU Adam did not build"
-$(STAMP): pyproject.toml setup.py Makefile requirements-test.txt
+$(STAMP): pyproject.toml setup.py Makefile requirements-test.txt requirements-docs.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt "$(TORCH_SPEC)" -r requirements-test.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt "$(TORCH_SPEC)" -r requirements-test.txt -r requirements-docs.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c "import torch, deepspeed, accelerate, transformers, deepspeed_multi; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)"
 	$(PY) -m deepspeed_multi.ops.build || echo "note: the fused-reduce extension did not build; see above"
@@ -80,7 +80,7 @@ test: test-newest test-oldest
 
 # The wheel check runs first: a file the build leaves out fails in about a minute, not after the suite.
 test-newest: setup test-wheel
-	DS_ACCELERATOR=cpu $(PY) -m pytest tests
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests --durations=25
 
 # The package as pip installs it (tools/wheel_check.py): the sdist and, from it, the wheel built; the wheel's
 # files checked against the package's; the wheel installed in a fresh venv outside the checkout, where the fused
@@ -92,6 +92,16 @@ test-oldest: setup-oldest
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV_OLDEST))/torch_extensions \
 	  DSM_BUILD_DIR=$(abspath $(VENV_OLDEST))/dsm_build \
 	  $(PY_OLDEST) -m pytest $(OLDEST_TESTS) -m "core or not matrix"
+
+# The documentation site (mkdocs.yml, docs/, README.md as its home page) into site/; strict: a broken link or
+# anchor, a page missing from the navigation or an unresolved API reference fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The built site looked at in a real headless browser (Debian's chromium): screenshots of the landing page,
+# an API page and the knob page at a laptop width, into site-check/ (tools/docs/check_site.py).
+docs-check: docs
+	$(PY) tools/docs/check_site.py --site site --out site-check
 
 test-unit: setup
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests/unit
@@ -121,6 +131,7 @@ PEER_PKGS := .venv-peers/openrlhf
 PEER_OUT ?= .venv-peers/results
 $(PEER_PKGS)/.installed: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(PEER_PKGS) "$(OPENRLHF_SPEC)" torchdata pylatexenc sympy mpmath pillow
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
 	touch $@
 
 test-peer-programs: setup $(PEER_PKGS)/.installed
