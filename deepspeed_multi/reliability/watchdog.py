@@ -43,8 +43,11 @@ will never enter: they have finished the program, or wait at the store before an
 collectives. The timeout would name it only after ``watchdog_timeout_s``. So a rank says at the store
 when it is done (at exit) and, while it has to wait at a meeting, where; and the loop, when this rank's
 main thread has sat in a collective for ``_STALLED_S`` inside a marked region, looks for such a rank
-among the engine's group and fails at once, naming both. It costs nothing on the common path: two store
-writes per meeting that waits, one at exit, and store reads only while a rank is stalled.
+among the engine's group and fails, naming both. A rank seen at another meeting must still be there
+``_CONFIRM_S`` later, with this rank still in the same place: a partner that has just left the meeting
+this rank polls (the count is complete; this rank's next poll will see it) may already wait at its next
+one, which is no divergence. It costs nothing on the common path: two store writes per meeting that
+waits, one at exit, and store reads only while a rank is stalled.
 
 [Note: the thread stops before the interpreter finalizes]
 Store calls release the GIL. A daemon thread that returns from one while Python is
@@ -103,6 +106,7 @@ logger = logging.getLogger(__name__)
 _PREFIX = "dsm_watchdog/"
 _REPORT_GRACE_S = 4.0  # how long a failing rank waits for the other ranks' reports
 _STALLED_S = 5.0  # how long a rank waits in a collective before it asks where the others are
+_CONFIRM_S = 2.0  # how long a partner must be seen away (at another meeting) before this rank fails
 _EXIT_GRACE_S = 3.0  # how long it waits for every rank to have printed, and rank 0 for the exits
 
 _REGIONS = {
@@ -339,6 +343,7 @@ class _Monitor(threading.Thread):
         self.shared_meetings = {}  # a group's ranks -> meetings held at its ZeRO-0/1 updates' shared row
         self.entered = set()  # (engine index, region): regions engines are in that were sequence entries
         self.waiting = None  # the region whose meeting this rank waits at, while it waits
+        self.suspects = {}  # (where this rank waits, the partner, where it is) -> first seen: see _fail_if_peer_left
 
     def add(self, engine, timeout_s, agree=False):
         watch = EngineWatch(engine, timeout_s, self.added, self, agree)
@@ -397,10 +402,12 @@ class _Monitor(threading.Thread):
 
     def _check(self):
         now = time.monotonic()
+        seen = self.suspects
+        self.suspects = {}  # kept only while seen at every check ([Note: a rank that left the others' path])
         for watch in self._live():
             for what, t0 in list(watch.marks.items()):
                 if _STALLED_S < now - t0 <= watch.timeout_s and (self.waiting or _main_thread_in_collective()):
-                    self._fail_if_peer_left(watch, what, now - t0)
+                    self._fail_if_peer_left(watch, what, t0, now, seen)
                 if now - t0 > watch.timeout_s:
                     if what == "backward" and not _backward_running():
                         # A backward that raised never runs its final callbacks: the mark is stale.
@@ -411,9 +418,10 @@ class _Monitor(threading.Thread):
         if self._store_check("failed"):
             self._fail(None)
 
-    def _fail_if_peer_left(self, watch, what, waited_s):
-        """This rank has waited in a collective of ``watch``'s engine for a while: fail now if a rank of the
-        engine's group is done with the program or waits at the store before another region (see the Note)."""
+    def _fail_if_peer_left(self, watch, what, t0, now, seen):
+        """This rank has waited in a collective of ``watch``'s engine (or at a meeting) since ``t0``: fail if a
+        rank of the engine's group is done with the program, or has waited at the store before another region
+        since an earlier check (``seen``) at least ``_CONFIRM_S`` ago, this rank unmoved (see the Note)."""
         engine = watch.engine()
         ranks = getattr(engine, "_dsm_dp_ranks", None) or range(self.world)
         for r in ranks:
@@ -423,10 +431,14 @@ class _Monitor(threading.Thread):
                 where = "has finished the program"
             elif self._store_check(f"waiting/{r}") and self._store_get(f"waiting/{r}") not in (None, self.waiting):
                 where = f"waits at the store before {self._store_get(f'waiting/{r}')}"
+                key = (watch.index, what, t0, self.waiting, r, where)
+                self.suspects[key] = first = seen.get(key, now)
+                if now - first < _CONFIRM_S:
+                    continue
             else:
                 continue
             self._fail({"rank": self.rank, "index": watch.index, "name": watch.name, "stage": watch.stage,
-                        "what": what, "waited_s": round(waited_s, 1), "timeout_s": watch.timeout_s,
+                        "what": what, "waited_s": round(now - t0, 1), "timeout_s": watch.timeout_s,
                         "peer": {"rank": r, "where": where}, "at_meeting": self.waiting is not None})
 
     # ------------------------------------------------------------ the store
