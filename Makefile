@@ -42,10 +42,12 @@ setup: $(STAMP)
 # first `ninja` on it; ninja versions keep incompatible logs, so a build by another ninja is redone (~50 s).
 PREBUILD = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
 	|| echo "note: DeepSpeed's shm op did not build"
-# DeepSpeed's CPU Adam in the newest environment: the shipped configs with optimizer offload use it
-# (tests/multi_gpu/test_shipped_configs.py), and a first build inside a test would spend its deadline.
-PREBUILD_CPU_ADAM = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-	|| echo "note: DeepSpeed's CPU Adam did not build"
+# DeepSpeed's CPU Adam and fused Adam in the newest environment: the shipped configs with optimizer offload use
+# the first (tests/multi_gpu/test_shipped_configs.py), an "AdamW" config section without offload the second (the
+# pipeline engine of test_drop_in.py, OpenRLHF), and a first build inside a test (about 100 s each) would spend
+# its deadline.
+PREBUILD_CPU_ADAM = DS_ACCELERATOR=cpu $(1) -c "from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder; \
+	CPUAdamBuilder().load(); FusedAdamBuilder().load()" || echo "note: DeepSpeed's CPU Adam or fused Adam did not build"
 $(STAMP): pyproject.toml setup.py Makefile requirements-test.txt requirements-docs.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -123,7 +125,7 @@ test-deepspeed-suite: setup $(SUITE_PKGS)/.installed
 	$(PY) tools/deepspeed_suite/run.py --deepspeed-src $(DEEPSPEED_SRC) --pytest-packages $(SUITE_PKGS)
 
 # Peer programs, upstream vs ours (tools/peer_programs/run.py, docs/tests.md); not part of `make test`, about
-# 2.5 hours on 2 cores (QUICK=1: one case of each). `make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat`.
+# an hour on 2 cores (QUICK=1: one case of each, 5 minutes). `make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat`.
 # OpenRLHF is installed, pinned and without its dependencies (ray, vllm, flash-attn: none run here), into a
 # folder of its own; nothing of either program enters this repository or the venv.
 OPENRLHF_SPEC ?= openrlhf==0.11.0
@@ -131,7 +133,6 @@ PEER_PKGS := .venv-peers/openrlhf
 PEER_OUT ?= .venv-peers/results
 $(PEER_PKGS)/.installed: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(PEER_PKGS) "$(OPENRLHF_SPEC)" torchdata pylatexenc sympy mpmath pillow
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
 	touch $@
 
 test-peer-programs: setup $(PEER_PKGS)/.installed

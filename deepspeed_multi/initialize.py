@@ -16,6 +16,7 @@ from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_liv
 from .zero import block_sizes, torch_autocast
 from .zero.stage3 import counters as stage3_counters
 from .zero.stage3 import generation as stage3_generation
+from .zero.stage3 import hpz_group
 
 _ENGINE_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed, options=options)
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
-    with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class), torch_autocast.scoped(config):
+    with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class), torch_autocast.scoped(config), \
+            hpz_group.for_config(config):  # [Note: hpZ's group is the config's]
         host_memory.import_muon_kernels()  # [Note: Muon's kernels compiled at their first call]
         built = deepspeed.initialize(**kwargs)
     torch_autocast.keep_own_comm_dtype(built[0], config)  # [Note: torch_autocast is per engine]

@@ -226,6 +226,11 @@ def _load_partitions(name, params, state, resized):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     available = []
     for n, p in params.items():
+        if getattr(p, "ds_secondary_tensor", None) is not None:
+            # Its gathers read the hpZ copy, which this write to the partition would leave stale.
+            return (f"engine {name!r} parameter {n!r} has an hpZ secondary partition (zero_hpz_partition_size > 1): "
+                    "loading a frozen ZeRO-3 engine's parameters with hpZ is not supported. Build that engine without "
+                    "zero_hpz_partition_size (a frozen engine gathers nothing in a backward, where hpZ saves).")
         part, value, shape = p.ds_tensor, state["tensors"][n], state["shapes"][n]
         if list(p.ds_shape) != shape:
             return f"engine {name!r} parameter {n!r} is {tuple(p.ds_shape)}, saved {tuple(shape)}."

@@ -352,3 +352,38 @@ def fp16_zero0_norm_as_upstream():
     assert got[0] == want[0], f"first update's gradient norm {got[0]} vs upstream {want[0]}"
     assert moved > 1e-2 and moved_upstream < moved / 100, (moved_upstream, moved)
     return dist.get_rank()
+
+
+def hpz_group_stays_with_its_engine():
+    """[Note: hpZ's group is the config's]: a ZeRO-3 engine without hpZ, built after one with it, gets no secondary
+    partitions through ours (upstream it does: DeepSpeed keeps the group process-wide), so a set checkpoint of it
+    loads into what its gathers read; a frozen hpZ engine's load is refused by name."""
+    import tempfile
+    import deepspeed_multi as dm
+    hpz = ds_config(3, zero_optimization={"zero_hpz_partition_size": 2})
+    model = MLP(seed=0)
+    first, *_ = deepspeed_multi.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=.1), config=hpz)
+    assert all(getattr(p, "ds_secondary_tensor", None) is not None for p in first.module.parameters())
+    frozen_model = MLP(seed=1)
+    upstream, *_ = deepspeed.initialize(model=frozen_model, config=ds_config(3))
+    assert any(getattr(p, "ds_secondary_tensor", None) is not None for p in upstream.module.parameters()), \
+        "upstream no longer lends hpZ's group to later engines: hpz_group.for_config may go"
+    upstream.destroy()
+    frozen, *_ = deepspeed_multi.initialize(model=MLP(seed=1), config=ds_config(3))
+    assert all(getattr(p, "ds_secondary_tensor", None) is None for p in frozen.module.parameters())
+    holder = [tempfile.mkdtemp(prefix="dsm_hpz_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    x = default_batch(0, dist.get_rank())["x"]
+    want = frozen(x).detach().clone()
+    dm.save_checkpoint(holder[0], {"frozen": frozen}, tag="t")
+    again, *_ = deepspeed_multi.initialize(model=MLP(seed=2), config=ds_config(3))
+    dm.load_checkpoint(holder[0], {"frozen": again}, tag="t")
+    assert torch.equal(again(x), want), "a frozen ZeRO-3 engine loaded from a set checkpoint gives other outputs"
+    frozen_hpz, *_ = deepspeed_multi.initialize(model=MLP(seed=3), config=hpz)
+    dm.save_checkpoint(holder[0], {"frozen": frozen_hpz}, tag="h")
+    from common import expect_error
+    expect_error(RuntimeError, lambda: dm.load_checkpoint(holder[0], {"frozen": frozen_hpz}, tag="h"), "hpZ",
+                 "zero_hpz_partition_size")
+    for e in (first, frozen, again, frozen_hpz):
+        e.destroy()
+    return dist.get_rank()

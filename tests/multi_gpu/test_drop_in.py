@@ -31,3 +31,8 @@ def test_boundary_owning_features_build_and_train_as_upstream():
 
 def test_accelerate_drives_a_boundary_owning_engine_as_upstream():
     run_distributed(checks.accelerate_managed_as_upstream, timeout_s=300)
+
+
+def test_hpz_group_stays_with_the_engine_that_configures_it():
+    # Fresh ranks: the hpZ group DeepSpeed creates stays in the process (what the check is about).
+    run_distributed(checks.hpz_group_stays_with_its_engine, timeout_s=180, fresh=True)

@@ -4,6 +4,7 @@
 ``counters``         the per-module backward counters, so a retained graph can be backpropagated again.
 ``generation``       engines that generate inside a training loop: no hang on uneven lengths.
 ``grad_view``        the update reads its fp32 gradient in place, not from a flattened copy of it.
+``hpz_group``        an engine without hpZ is built without another engine's hpZ group.
 ``joined_fetch``     the first parameter fetch of several engines' forwards, as one all-gather.
 ``lazy_grads``       a sub-group's gradient partition exists from its first gradient to the update only.
 ``partition``        the reduced gradient partitions copied or added into their buffers in fused runs.

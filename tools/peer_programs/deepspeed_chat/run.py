@@ -56,9 +56,9 @@ Results: <out>/cases/<case>/<side>/ (log, swap log, saved weights), <out>/result
 case, merged across invocations) and <out>/report.md (the table of every case in results.json).
 Exit status 1 when ours does not give upstream's bits where upstream runs (see not_as_expected).
 
-Time: one run takes about 1-2 minutes per side on 2 shared CPU cores (start-up, importing DeepSpeed
-and Transformers, is a good part of it; ZeRO-3 runs are the slowest), so a case is 2-4 minutes and
-DEFAULT_SELECTION (31 cases) about 1.5-2 hours; --one-backward adds a third run per case.
+Time: one run takes under a minute per side on 2 CPU cores (start-up, importing DeepSpeed and
+Transformers, is a good part of it; ZeRO-3 runs are the slowest), so DEFAULT_SELECTION (31 cases) takes
+about 45 minutes; --one-backward adds a third run per case.
 """
 import argparse
 import itertools
