@@ -102,7 +102,7 @@ class MultiEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         """``DeepSpeedEngine.forward`` with boundary nodes on the inputs and outputs, where a plain
         ``loss.backward()`` runs DeepSpeed's backward prologue and epilogue. Refused after :meth:`destroy`."""
-        hand_back.refuse_if_destroyed(self, "forward()")
+        misuse.refuse_if_destroyed(self, "forward()")
         self._recover_from_failed_backward()
         inputs, kwargs = wrap_inputs(self, inputs, kwargs)
         stage3 = self.zero_optimization_stage() == 3
@@ -386,7 +386,7 @@ class MultiEngine(DeepSpeedEngine):
 
     def zero_grad(self):
         """Discard every gradient accumulated since the last step, like ``nn.Module.zero_grad``."""
-        hand_back.refuse_if_destroyed(self, "zero_grad()")
+        misuse.refuse_if_destroyed(self, "zero_grad()")
         misuse.refuse_inside_backward(self, "zero_grad()")
         self._recover_from_failed_backward()
         stage3_prefetch.drain(self)

@@ -33,7 +33,6 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from . import zero
 from .autograd import outside_use
 from .reliability import discarded_writes, dp_groups, misuse, watchdog
-from .reliability.misuse import refuse_if_destroyed  # noqa: F401  (engine.py and parts/ call it from here)
 from .state import TrainingState
 from .zero.stage3 import counters as stage3_counters
 from .zero.stage3 import generation as stage3_generation

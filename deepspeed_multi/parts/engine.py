@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .. import hand_back
+from ..reliability import misuse
 from ..checkpoint import set_checkpoint as checkpoint
 from . import clip
 from .optimizer import sync_hyperparameters
@@ -118,7 +118,7 @@ class PartedEngine(nn.Module):
 
     def _refuse_if_destroyed(self, what):
         for engine in self._parts.values():
-            hand_back.refuse_if_destroyed(engine, what)
+            misuse.refuse_if_destroyed(engine, what)
 
     @contextlib.contextmanager
     def no_sync(self):

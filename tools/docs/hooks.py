@@ -70,12 +70,16 @@ def _add_copy(files, config, path):
     files.append(File.generated(config, f"{REPO}/{path}/index.md", content="\n".join(lines) + "\n"))
 
 
+def _is_url_or_anchor(target):
+    return re.match(r"^[a-z][a-z0-9+.-]*:", target) is not None or target.startswith("#")
+
+
 def _resolve(target, page_uri):
     """The repository path a link of the page points at, or None (a URL, an anchor, outside the repository)."""
-    if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+    if _is_url_or_anchor(target):
         return None
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(_repo_path(page_uri)), target.partition("#")[0]))
-    return None if resolved.startswith("..") else resolved
+    return None if resolved == ".." or resolved.startswith("../") else resolved
 
 
 def _is_repo_file(resolved):
@@ -92,13 +96,12 @@ def _repo_path(src_uri: str) -> str:
 
 def _rewrite(target: str, page_uri: str, repo_url: str):
     """The site's link for ``target`` written in the page ``page_uri``; None for a link to check as is."""
-    if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+    if _is_url_or_anchor(target):
         return target  # a URL, or an anchor on the same page
-    path, _, anchor = target.partition("#")
+    _, _, anchor = target.partition("#")
     anchor = "#" + anchor if anchor else ""
-    here = posixpath.dirname(_repo_path(page_uri))
-    resolved = posixpath.normpath(posixpath.join(here, path))
-    if resolved.startswith("../") or resolved == "..":
+    resolved = _resolve(target, page_uri)
+    if resolved is None:
         return None  # outside the repository: MkDocs warns
     site_target = OUTSIDE_DOCS.get(resolved)
     if site_target is None and resolved.startswith("docs/"):
