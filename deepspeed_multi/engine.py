@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.utils import DummyOptim
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from . import compat, hand_back, user_boundary, zero
@@ -72,6 +73,7 @@ class MultiEngine(DeepSpeedEngine):
         # updates); this engine keeps DeepSpeed's managed meaning of gradient_accumulation_steps
         # unless the user configured managed_gradient_accumulation=false.
         self._user_managed_boundary = user_managed_boundary
+        self._config_managed = not user_managed_boundary  # as configured (the Trainer's caller may own it later)
         self._caller_scales_loss = False  # the caller divides the loss itself (integrations/engine_steps.py)
         self._window_micro_steps = self._window_backwards = 0
         # One tiny all-reduce per update at ZeRO 0/1, off the critical path (rank_agreement.py); 0 turns it off.
@@ -139,8 +141,9 @@ class MultiEngine(DeepSpeedEngine):
     @property
     def has_optimizer(self) -> bool:
         """True when the engine was built with an optimizer (a ZeRO-3 engine without one is frozen)."""
-        # ZeRO-3 without an optimizer still gets a DeepSpeedZeRoOffload (parameter management only).
-        return self.optimizer is not None and not isinstance(self.optimizer, DeepSpeedZeRoOffload)
+        # No optimizer: ZeRO-3 gets a DeepSpeedZeRoOffload, bf16 at stage 0 a BF16_Optimizer over a DummyOptim.
+        return self.optimizer is not None and not isinstance(self.optimizer, DeepSpeedZeRoOffload) \
+            and not isinstance(getattr(self.optimizer, "optimizer", None), DummyOptim)
 
     @property
     def trains(self) -> bool:
@@ -181,8 +184,7 @@ class MultiEngine(DeepSpeedEngine):
         if self._state is TrainingState.IN_BACKWARD or not self.trains:
             return
         if not graph.any_param_in_current_graph(self._trainable_params):
-            # e.g. torch.autograd.grad(loss, inputs), a backward that stops above the params, or
-            # params reached only by the nested pass of reentrant checkpointing (autograd/outside_use.py).
+            # torch.autograd.grad(loss, inputs), or reentrant checkpointing's nested pass (autograd/outside_use.py).
             if not self._boundary_crossed:
                 self._boundary_crossed = True
                 graph.at_end_of_backward(self._close_boundary_crossing)
@@ -229,29 +231,27 @@ class MultiEngine(DeepSpeedEngine):
 
     # ---------------------------------------------------------------- user API
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        """The single-engine API: the same as ``loss.backward()``, returning what DeepSpeed returns.
+        """Upstream's ``engine.backward``: the loss scaled as upstream scales it, then one backward through every
+        engine it reaches ([Note: a loss scaled by engine.backward]).
 
         Args:
-            loss (torch.Tensor): the scalar to backpropagate, through this engine and any other.
+            loss (torch.Tensor): the scalar to backpropagate.
             retain_graph (bool): passed to ``loss.backward``.
-            scale_wrt_gas (bool): must be True: the engine divides by its ``gradient_accumulation_steps``
-                at its boundary, so False is refused rather than ignored.
+            scale_wrt_gas (bool): divide by ``gradient_accumulation_steps`` (False: the caller divided the loss,
+                as the Trainer does).
 
         Returns:
-            torch.Tensor: ``loss / gradient_accumulation_steps``, as ``DeepSpeedEngine.backward``.
+            torch.Tensor: ``loss / gradient_accumulation_steps`` (``loss`` with ``scale_wrt_gas=False``), as upstream.
 
         Raises:
-            ValueError: ``scale_wrt_gas=False``.
             RuntimeError: the same ``loss`` was backpropagated through ``engine.backward`` before.
         """
-        if not scale_wrt_gas:
-            raise ValueError("MultiEngine.backward(scale_wrt_gas=False) is not supported: the engine divides by "
-                             "gradient_accumulation_steps at its boundary. Call loss.backward() on a loss you "
-                             "have multiplied by gradient_accumulation_steps instead.")
         misuse.check_not_backpropagated(self, loss)
-        loss.backward(retain_graph=retain_graph)
+        gas_scaled, scaled, ambient = grad_scale.scale_loss(self, loss, scale_wrt_gas)
+        with grad_scale.backward_of(self, ambient, scale_wrt_gas):
+            scaled.backward(retain_graph=retain_graph)
         misuse.mark_backpropagated(self, loss)
-        return loss / self.gradient_accumulation_steps()
+        return gas_scaled
 
     def scale(self, loss):
         """Kept for old code: the boundary applies the loss scale.
@@ -364,6 +364,7 @@ class MultiEngine(DeepSpeedEngine):
             update_paths.step_without_gradients(self, lr_kwargs)
             return
         try:
+            update_paths.count_samples_as_upstream(self)
             super().step(lr_kwargs)
             self._rank_agreement.finish()  # (no-op: DeepSpeed's reduction finished it)
             grad_scale.back_off_after_overflow(self)  # [Note: torch_autocast's GradScaler]

@@ -2,6 +2,7 @@
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import threading
 
@@ -18,8 +19,24 @@ from .zero.stage3 import counters as stage3_counters
 from .zero.stage3 import generation as stage3_generation
 from .zero.stage3 import hpz_group
 
-_ENGINE_CLASS_LOCK = threading.Lock()
+# Reentrant: parts/build.py builds one engine per part through initialize() again.
+_ENGINE_CLASS_LOCK = threading.RLock()
 logger = logging.getLogger(__name__)
+
+
+def _upstream_initialize():
+    """DeepSpeed's own ``initialize``, whatever ``deepspeed.initialize`` is bound to now.
+
+    [Note: deepspeed.initialize swapped for ours]
+    A program (or a harness's import hook) may bind ``deepspeed.initialize`` to ours, so that code it
+    did not write (Accelerate's ``prepare``, the Trainer) builds our engines. Calling
+    ``deepspeed.initialize`` from here would then call ourselves. DeepSpeed's function is the one
+    defined in ``deepspeed``'s own module, found through any ``functools.wraps`` wrappers; it
+    resolves ``DeepSpeedEngine`` from that module's globals, which is where we swap the class in."""
+    fn = inspect.unwrap(deepspeed.initialize)
+    if fn is initialize or getattr(fn, "__module__", None) != "deepspeed":
+        fn = _DEEPSPEED_INITIALIZE
+    return fn
 
 
 def _refuse_mics(config):
@@ -128,7 +145,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class), torch_autocast.scoped(config), \
             hpz_group.for_config(config):  # [Note: hpZ's group is the config's]
         host_memory.import_muon_kernels()  # [Note: Muon's kernels compiled at their first call]
-        built = deepspeed.initialize(**kwargs)
+        built = _upstream_initialize()(**kwargs)  # [Note: deepspeed.initialize swapped for ours]
     torch_autocast.keep_own_comm_dtype(built[0], config)  # [Note: torch_autocast is per engine]
     _refuse_sequence_parallel_zero0(built[0])
     if built[0].zero_optimization_stage() == 3:
@@ -152,7 +169,10 @@ def _initialize_managed(feature, config, kwargs):
         for name, cls in managed_path.engine_classes(feature).items():
             if hasattr(deepspeed, name):
                 swaps.enter_context(compat.swapped(deepspeed, name, cls))
-        return deepspeed.initialize(**kwargs)
+        return _upstream_initialize()(**kwargs)
+
+
+_DEEPSPEED_INITIALIZE = inspect.unwrap(deepspeed.initialize)  # at import, before a program rebinds it
 
 
 def _refuse_sequence_parallel_zero0(engine) -> None:

@@ -5,8 +5,19 @@
 is registered in ``AcceleratorState.deepspeed_plugins`` under a fresh name, with the Accelerator's
 ``mixed_precision`` applied as to the plugins given at construction (see accelerator.py), and
 selected for the call only; the plugin selected before comes back afterwards.
+
+[Note: the launcher's settings are the default plugin's]
+``accelerate launch --config_file <a DeepSpeed yaml>`` exports the yaml's DeepSpeed fields
+(``ACCELERATE_DEEPSPEED_ZERO_STAGE``, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, ... and their
+list in ``ACCELERATE_CONFIG_DS_FIELDS``) for the plugin the Accelerator builds from the
+environment. A config given to ``prepare`` is a plugin of its own: Accelerate would refuse it
+beside those fields ("When using deepspeed_config_file, the following accelerate config
+variables will be ignored"), or fill its ``"auto"`` entries from them. So the fields are hidden
+while such a plugin is built: the launcher's settings stay the default plugin's, the config's
+are its own, and the two never meet.
 """
 import contextlib
+import os
 
 from accelerate.utils import DeepSpeedPlugin
 
@@ -35,7 +46,8 @@ def resolve(state, choice, mixed_precision):
         plugin = choice
     elif isinstance(choice, (dict, str)):
         try:
-            plugin = DeepSpeedPlugin(hf_ds_config=choice)
+            with _launcher_settings_hidden():  # [Note: the launcher's settings are the default plugin's]
+                plugin = DeepSpeedPlugin(hf_ds_config=choice)
         except ValueError as e:
             raise ValueError(f"prepare(deepspeed_plugin={choice!r}): expected the name of one of the Accelerator's "
                              f"plugins {sorted(plugins)}, a DeepSpeedPlugin, or a DeepSpeed config dict or path to a "
@@ -49,6 +61,19 @@ def resolve(state, choice, mixed_precision):
         name += "_"
     plugins[name] = plugin
     return name
+
+
+_LAUNCHER_PREFIXES = ("ACCELERATE_DEEPSPEED_", "ACCELERATE_GRADIENT_", "ACCELERATE_CONFIG_DS_FIELDS")
+
+
+@contextlib.contextmanager
+def _launcher_settings_hidden():
+    """The launcher's DeepSpeed fields out of the environment for the block (see the Note)."""
+    hidden = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(_LAUNCHER_PREFIXES)}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,10 @@ used directly as a tensor, e.g. ``F.linear(x, engine.module.fc.weight)`` or a pe
 over ``engine.module.parameters()``, is not a module call: its gradient bypasses the boundary,
 so it is not scaled by the engine's factor, and ZeRO's backward prologue may not have run.
 
+Under ``engine.backward(loss)`` the loss carries the engine's scale from the top ([Note: a loss
+scaled by engine.backward]), so such a gradient is scaled as upstream scales it: the engine's
+backward starts at the first one, and nothing is refused.
+
 When no boundary node of the engine runs in a backward pass that reaches its parameters, the
 prologue has not run when the first parameter gradient arrives (the engine is not
 IN_BACKWARD): that is detected here, at the first such backward, and raised before ZeRO (or the
@@ -56,7 +60,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from .. import compat
 from ..state import TrainingState
-from . import graph
+from . import grad_scale, graph
 from .tree import tree_tensors
 
 FEATURE = "outside_use"
@@ -96,6 +100,9 @@ def check(engine, param, names) -> None:
         return
     if engine._boundary_crossed:
         engine._start_backward()  # the nested pass of reentrant checkpointing (see the Note)
+        return
+    if grad_scale.is_backward_of(engine):  # the loss carries the engine's scale ([Note: a loss scaled by
+        engine._pre_backward()             # engine.backward]): the prologue runs at its first gradient
         return
     raise RuntimeError(
         f"MultiEngine ({engine._engine_name()}): parameter {names.get(id(param), '<unnamed>')!r} received a "

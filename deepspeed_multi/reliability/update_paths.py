@@ -48,6 +48,16 @@ def abort_step(engine):
     engine.zero_grad()
 
 
+def count_samples_as_upstream(engine):
+    """Before DeepSpeed's update: its ``global_samples`` as upstream counts them.
+
+    DeepSpeed runs unmanaged under a MultiEngine, where its step() adds the samples of the backward passes
+    it counted. Under managed accumulation (a config's default) upstream adds ``train_batch_size`` per
+    update whatever the window held (the Trainer's shorter last window of an epoch): so does ours."""
+    if engine._config_managed:
+        engine._unmanaged_backward_count = engine.gradient_accumulation_steps()
+
+
 def skip_update(engine):
     """Drop this window's gradients without updating, as DeepSpeed does on an fp16 overflow."""
     if engine.fp16_enabled():

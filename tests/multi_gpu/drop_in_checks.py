@@ -72,6 +72,86 @@ def same_as_upstream(config, what, updates=3, **kw):
             f"{what}: {name} differs from upstream by {(got[2][name].double() - w.double()).abs().max().item():.3e}"
 
 
+def _train_by_engine_backward(initialize, config, scale_wrt_gas, direct, updates=2):
+    """``engine.backward`` as callers of upstream's use it: with ``scale_wrt_gas=False`` the loss comes divided by
+    the accumulation (the Trainer's way); ``direct``: a term over ``fc2.weight`` used as a tensor outside the
+    forward (TRL's distillation loss over ``lm_head.weight``). Returns (returned losses, norms, weights)."""
+    model = MLP(seed=0)
+    engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
+    gas = engine.gradient_accumulation_steps()
+    losses, norms = [], []
+    for step in range(updates * gas):
+        batch = default_batch(step, dist.get_rank())
+        loss = (engine(batch["x"]) - batch["y"]).pow(2).mean()
+        if direct:
+            loss = loss + 0.1 * engine.module.fc2.weight.float().pow(2).sum()
+        returned = engine.backward(loss if scale_wrt_gas else loss / gas, scale_wrt_gas=scale_wrt_gas)
+        engine.step()
+        losses.append(returned.item())
+        if (step + 1) % gas == 0:
+            norm = engine.get_global_grad_norm()
+            norms.append(None if norm is None else float(norm))
+    found = weights(engine)
+    engine.destroy()
+    return losses, norms, found
+
+
+# (stage, dtype, gas, scale_wrt_gas): each stage in fp32 with the loss divided by the caller and in bf16 divided by
+# the engine, fp16 (its loss scale) at ZeRO 1-3 (upstream's ZeRO-0 fp16 does not scale its loss: not comparable).
+ENGINE_BACKWARD_CASES = [(stage, dtype, gas, swg) for stage in range(4)
+                         for dtype, gas, swg in (("fp32", 3, False), ("bf16", 2, True), ("fp16", 2, False))
+                         if not (dtype == "fp16" and stage == 0)]
+
+
+def engine_backward_as_upstream(cases=tuple(ENGINE_BACKWARD_CASES)):
+    """``engine.backward(loss, scale_wrt_gas=...)`` trains as upstream's, bit for bit, a parameter used directly
+    outside the forward included (below ZeRO-3, where upstream's partitioned parameter cannot be used so)."""
+    for stage, dtype, gas, swg in cases:
+        config = ds_config(stage, dtype, gas=gas)
+        what = f"ZeRO-{stage} {dtype} gas {gas} scale_wrt_gas={swg}"
+        want = _train_by_engine_backward(deepspeed.initialize, config, swg, direct=stage < 3)
+        got = _train_by_engine_backward(deepspeed_multi.initialize, config, swg, direct=stage < 3)
+        assert got[0] == want[0], f"{what}: returned losses {got[0]} vs upstream {want[0]}"
+        assert got[1] == want[1], f"{what}: gradient norms {got[1]} vs upstream {want[1]}"
+        for name, w in want[2].items():
+            assert torch.equal(got[2][name], w), \
+                f"{what}: {name} differs from upstream by {(got[2][name].double() - w.double()).abs().max().item():.3e}"
+    return len(cases)
+
+
+def engine_backward_through_two_engines(gas=2):
+    """``engine.backward(loss)`` of the last engine of a ZeRO-2 encoder -> ZeRO-3 head gives both engines what
+    ``loss.backward()`` gives them (the encoder's factor applied relative to the head's), and with the loss
+    divided by the caller and ``scale_wrt_gas=False`` too (no engine of the pass divides then): weights after 2
+    updates equal. SGD, whose update shows a gradient off by any factor (Adam's would hide it)."""
+    results = {}
+    for how in ("plain", "engine", "caller divides"):
+        enc_model, head_model = MLP(seed=1), MLP(seed=2)
+        enc, *_ = deepspeed_multi.initialize(model=enc_model, config=ds_config(2, gas=gas),
+                                             optimizer=torch.optim.SGD(enc_model.parameters(), lr=0.1))
+        head, *_ = deepspeed_multi.initialize(model=head_model, config=ds_config(3, gas=gas),
+                                              optimizer=torch.optim.SGD(head_model.parameters(), lr=0.1))
+        for step in range(2 * gas):
+            batch = default_batch(step, dist.get_rank())
+            loss = (head(enc(batch["x"])) - batch["y"]).pow(2).mean()
+            if how == "plain":
+                loss.backward()
+            elif how == "engine":
+                head.backward(loss)
+            else:
+                head.backward(loss / gas, scale_wrt_gas=False)
+            enc.step()
+            head.step()
+        results[how] = {**{f"enc/{n}": w for n, w in weights(enc).items()},
+                        **{f"head/{n}": w for n, w in weights(head).items()}}
+        head.destroy()
+        enc.destroy()
+    for how in ("engine", "caller divides"):
+        for name, w in results["plain"].items():
+            assert torch.equal(results[how][name], w), \
+                f"{how}: {name} differs from loss.backward()'s by {(results[how][name] - w).abs().max().item():.3e}"
+
+
 def overlap_below_stage2(stages=(0, 1), dtypes=("fp32", "bf16"), gases=(1, 2)):
     """``overlap_comm: true`` at ZeRO-0 and ZeRO-1 (DeepSpeed-Chat's and axolotl's configs): upstream
     trains it; so do ours, with upstream's bits ([Note: overlap_comm below ZeRO-2]: at ZeRO-1 on more

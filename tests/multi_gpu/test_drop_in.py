@@ -15,6 +15,13 @@ def test_zero1_overlap_comm_as_upstream_on_four_ranks():
     run_distributed(checks.overlap_below_stage2, (1, ), ("fp32", "bf16"), (2, ), world_size=4, timeout_s=300)
 
 
+def test_engine_backward_as_upstream():
+    """engine.backward with every argument upstream's takes, bit-identical to upstream at ZeRO 0-3 (a parameter
+    used directly outside the forward too); through a second engine as a plain loss.backward()."""
+    run_distributed(checks.engine_backward_as_upstream, timeout_s=300)
+    run_distributed(checks.engine_backward_through_two_engines, timeout_s=120)
+
+
 def test_writes_that_gathered_parameters_discards_are_warned():
     run_distributed(checks.gathered_writes_warned, timeout_s=300)
 

@@ -5,6 +5,7 @@ dataset of random token ids, 2 CPU ranks, AdamW with a linear schedule, ``max_gr
 The DDP Trainer is the reference: logged losses, ``grad_norm`` and learning rates, and the final
 weights must match to 1e-5 (fp32).
 """
+import contextlib
 import copy
 import os
 import tempfile
@@ -54,9 +55,23 @@ def _args(out, gas, max_grad_norm, deepspeed=None, args_cls=None, **kw):
     return (args_cls or TrainingArguments)(**args)
 
 
+TRL_BF16 = [False]  # the TRL jobs' precision: bf16 while trl_in_bf16() runs them
+
+
+@contextlib.contextmanager
+def trl_in_bf16():
+    """The TRL jobs below in bf16 (``bf16=True``, as TRL's shipped launcher configs run them)."""
+    TRL_BF16[0] = True
+    try:
+        yield
+    finally:
+        TRL_BF16[0] = False
+
+
 def _trl_args(config_cls, gas, deepspeed=None, **kw):
-    """A TRL trainer's config for these jobs: fp32, ``max_grad_norm`` 0.5, a fresh shared directory."""
-    return _args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), args_cls=config_cls, bf16=False, **kw)
+    """A TRL trainer's config for these jobs: fp32 (bf16 inside ``trl_in_bf16``), ``max_grad_norm`` 0.5, a fresh
+    shared directory."""
+    return _args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), args_cls=config_cls, bf16=TRL_BF16[0], **kw)
 
 
 def _clear_ds_env():
