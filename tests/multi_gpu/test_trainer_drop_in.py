@@ -24,3 +24,17 @@ def test_trl_trainers_as_upstream():
         ("DPO", 1, 2, "bf16"), ("Distillation", 1, 2, "bf16"), ("Distillation", 2, 1, "fp32"),
         ("Distillation", 3, 2, "bf16"), ("GRPO", 3, 2, "bf16"), ("GRPO", 1, 1, "fp32"), ("RLOO", 2, 2, "bf16"),
         ("OnlineDPO", 1, 1, "bf16"), ("GKD", 2, 2, "bf16")], timeout_s=600)
+
+
+def test_saved_models_as_upstream():
+    """save_model of a tied-embedding model: our Trainer, a TRL trainer with a role at ZeRO-3, and the stock Trainer
+    through ours save upstream's keys (ZeRO-2; ZeRO-3 gathered on save) and read back tied."""
+    pytest.importorskip("trl")
+    run_distributed(checks.saved_models_as_upstream, timeout_s=400)
+
+
+def test_trl_roles_under_accelerate_launch():
+    """Per-role stages (multi_engine_trainer + deepspeed_roles) under the variables accelerate launch exports for
+    TRL's shipped DeepSpeed yaml, against DDP."""
+    pytest.importorskip("trl")
+    run_distributed(checks.roles_under_accelerate_launch, timeout_s=300)

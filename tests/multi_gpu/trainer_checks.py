@@ -74,15 +74,20 @@ def _trl_args(config_cls, gas, deepspeed=None, **kw):
     return _args(_shared_tmp(), gas, 0.5, copy.deepcopy(deepspeed), args_cls=config_cls, bf16=TRL_BF16[0], **kw)
 
 
+LAUNCH_ENV = {}  # the ACCELERATE_* variables a launcher exports, while trainer_drop_in_checks.launched_by runs
+
+
 def _clear_ds_env():
-    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE", *LAUNCH_ENV):
         os.environ.pop(key, None)
 
 
 def _fresh_process_state():
-    """A new Accelerate state, no DeepSpeed launch variables, the same seed for every run."""
+    """A new Accelerate state, no DeepSpeed launch variables (but a launcher's, inside ``launched_by``), the same
+    seed for every run."""
     reset_accelerate()
     _clear_ds_env()
+    os.environ.update(LAUNCH_ENV)
     torch.manual_seed(0)
 
 

@@ -179,3 +179,106 @@ def trl_trainers_as_upstream(cases):
         tc.compare_bitwise(runs[True][:2], runs[False][:2],
                            f"TRL {name}Trainer ZeRO-{stage} {dtype} gas {gas}, against upstream")
     return len(cases)
+
+
+def _saved(trainer, name):
+    """``trainer.save_model`` into a fresh folder: (the saved file's keys, the model from_pretrained reads back)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    folder = os.path.join(trainer.args.output_dir, name)
+    trainer.save_model(folder)
+    dist.barrier()
+    keys = sorted(load_file(os.path.join(folder, "model.safetensors")))
+    return keys, AutoModelForCausalLM.from_pretrained(folder)
+
+
+def saved_models_as_upstream(stages=(2, 3)):
+    """A tied-embedding model saved by our Trainer, by a TRL trainer built by ``multi_engine_trainer`` with a role at
+    ZeRO-3, and by the stock Trainer through ours, holds the keys upstream's stock Trainer saves (the tied weight
+    once where upstream saves it once: at ZeRO-3 gathered on save), reads back with ``from_pretrained`` tied, and
+    (the drop-in) holds upstream's values."""
+    import trl
+    from transformers import Trainer
+
+    from deepspeed_multi.transformers import Trainer as MultiTrainer
+    from deepspeed_multi.transformers import multi_engine_trainer
+    for stage in stages:
+        config = tc.ds_config(stage, 2, None)
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        saved = {}
+        for name, cls, ours in (("upstream", Trainer, False), ("drop-in", Trainer, True), ("ours", MultiTrainer, True)):
+            torch.manual_seed(0)
+            with initialize_swapped(ours and cls is Trainer):
+                trainer = tc.run_trainer(cls, 2, 0.5, deepspeed=copy.deepcopy(config), max_steps=2,
+                                         model=causal_lm(tie_word_embeddings=True))[2]
+            saved[name] = _saved(trainer, f"saved-{name}")
+        tied = tc.causal_lm
+        tc.causal_lm = lambda **kw: tied(tie_word_embeddings=True, **kw)
+        try:
+            for name, cls, roles in (("DPO upstream", trl.DPOTrainer, None),
+                                     ("DPO roles", multi_engine_trainer(trl.DPOTrainer),
+                                      {"ref_model": {"zero_optimization": {"stage": 3}}})):
+                trainer = tc.run_dpo(cls, 2, deepspeed=copy.deepcopy(config), roles=roles, max_steps=2)[2]
+                saved[name] = _saved(trainer, f"saved-{name.replace(' ', '-')}")
+        finally:
+            tc.causal_lm = tied
+        for name, want in (("drop-in", "upstream"), ("ours", "upstream"), ("DPO roles", "DPO upstream")):
+            assert saved[name][0] == saved[want][0], \
+                f"ZeRO-{stage}: {name} saved keys {saved[name][0]}, {want} {saved[want][0]}"
+        for name, (_, model) in saved.items():
+            assert model.lm_head.weight is model.model.embed_tokens.weight, f"ZeRO-{stage} {name}: read back untied"
+        got, want = saved["drop-in"][1].state_dict(), saved["upstream"][1].state_dict()
+        _same(got, want, f"ZeRO-{stage}: the drop-in's saved model")
+    return len(stages)
+
+
+def launcher_env(yaml_path, num_processes=2):
+    """The ACCELERATE_* variables ``accelerate launch --config_file yaml_path --num_processes N --mixed_precision no``
+    exports to its ranks, computed by Accelerate's own launch functions (as its ``launch_command`` does before it
+    starts them)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+    args = launch_command_parser().parse_args(["--config_file", yaml_path, "--num_processes", str(num_processes),
+                                               "--mixed_precision", "no", "script.py"])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    _, env = prepare_deepspeed_cmd_env(args)
+    return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
+
+
+@contextlib.contextmanager
+def launched_by(yaml_name):
+    """Every Trainer run inside as launched by ``accelerate launch`` with TRL's shipped ``yaml_name``."""
+    import trl
+    tc.LAUNCH_ENV.update(launcher_env(os.path.join(os.path.dirname(trl.__file__), "accelerate_configs", yaml_name)))
+    assert tc.LAUNCH_ENV["ACCELERATE_USE_DEEPSPEED"] == "true" and "ACCELERATE_CONFIG_DS_FIELDS" in tc.LAUNCH_ENV
+    try:
+        yield
+    finally:
+        tc._clear_ds_env()
+        tc.LAUNCH_ENV.clear()
+
+
+def roles_under_accelerate_launch():
+    """multi_engine_trainer + deepspeed_roles under ``accelerate launch --config_file <TRL's zeroN.yaml>``: the
+    launcher's settings are the policy's, each role's config its own; DPO (zero2.yaml, gas 2) and distillation
+    (zero1.yaml, gas 1) with the reference / teacher at ZeRO-3, against the same TRL trainer under DDP (fp32)."""
+    import trl
+
+    from deepspeed_multi.transformers import multi_engine_trainer
+    z3 = {"zero_optimization": {"stage": 3}}
+    policy_dir, _ = tc._saved_policy_and_reward()
+    teacher_dir = _teacher_dir(policy_dir)
+    jobs = [("DPO", "zero2.yaml", 2, lambda cls, **kw: tc.run_dpo(cls, 2, **kw), "ref_model", 2),
+            ("distillation", "zero1.yaml", 1,
+             lambda cls, **kw: tc.run_distillation(cls, 1, policy_dir, teacher_dir, **kw), "teacher_model", 1)]
+    for name, yaml_name, stage, run, role, gas in jobs:
+        cls = trl.DPOTrainer if name == "DPO" else trl.DistillationTrainer
+        want = run(cls)
+        with launched_by(yaml_name):
+            logs, weights, built = run(multi_engine_trainer(cls), roles={role: z3})
+        stages = sorted((e.has_optimizer, e.zero_optimization_stage()) for e in built.accelerator.engines())
+        assert stages == [(False, 3), (True, stage)], f"{name} under accelerate launch: engines {stages}"
+        tc.compare((logs, weights), want[:2], f"{name} under accelerate launch --config_file {yaml_name}")
+    return len(jobs)
