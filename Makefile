@@ -29,7 +29,7 @@ OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_accelerate.p
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite test-peer-programs docs docs-check demo bench test-bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite test-peer-programs test-peer-trl docs docs-check demo bench test-bench fuzz clean
 
 setup: $(STAMP)
 
@@ -125,7 +125,8 @@ test-deepspeed-suite: setup $(SUITE_PKGS)/.installed
 	$(PY) tools/deepspeed_suite/run.py --deepspeed-src $(DEEPSPEED_SRC) --pytest-packages $(SUITE_PKGS)
 
 # Peer programs, upstream vs ours (tools/peer_programs/run.py, docs/tests.md); not part of `make test`, about
-# an hour on 2 cores (QUICK=1: one case of each, 5 minutes). `make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat`.
+# an hour and a half on 2 cores (QUICK=1: one case of each, 5 minutes).
+# `make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat TRL_SRC=<a TRL checkout>`.
 # OpenRLHF is installed, pinned and without its dependencies (ray, vllm, flash-attn: none run here), into a
 # folder of its own; nothing of either program enters this repository or the venv.
 OPENRLHF_SPEC ?= openrlhf==0.11.0
@@ -136,8 +137,14 @@ $(PEER_PKGS)/.installed: $(STAMP)
 	touch $@
 
 test-peer-programs: setup $(PEER_PKGS)/.installed
-	@test -n "$(DSCHAT_SRC)" || { echo "usage: make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat"; exit 2; }
-	$(PY) tools/peer_programs/run.py --out $(PEER_OUT) --dschat-src $(DSCHAT_SRC) --openrlhf-packages $(PEER_PKGS) $(if $(filter 1,$(QUICK)),--quick)
+	@test -n "$(DSCHAT_SRC)" -a -n "$(TRL_SRC)" || { echo "usage: make test-peer-programs DSCHAT_SRC=<DeepSpeedExamples>/applications/DeepSpeed-Chat TRL_SRC=<a TRL checkout>"; exit 2; }
+	$(PY) tools/peer_programs/run.py --out $(PEER_OUT) --dschat-src $(DSCHAT_SRC) --openrlhf-packages $(PEER_PKGS) \
+	  --trl-src $(TRL_SRC) $(if $(filter 1,$(QUICK)),--quick)
+
+# TRL's scripts alone (tools/peer_programs/trl/run.py): `make test-peer-trl TRL_SRC=<a TRL checkout>`, about 25 minutes.
+test-peer-trl: setup
+	@test -n "$(TRL_SRC)" || { echo "usage: make test-peer-trl TRL_SRC=<a TRL checkout>"; exit 2; }
+	$(PY) tools/peer_programs/run.py --out $(PEER_OUT) --only trl --trl-src $(TRL_SRC) $(if $(filter 1,$(QUICK)),--quick)
 
 demo: setup
 	DS_ACCELERATOR=cpu $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py

@@ -25,7 +25,7 @@ from .reliability.rank_agreement import RankAgreement
 from .reliability.skip_group import SkipGroup
 from .state import TrainingState
 from .switches import CHECK_RANK_AGREEMENT, switch_on
-from .zero import buffers
+from .zero import buffers, zero_dim
 from .zero.stage12 import bucket_pack as stage12_bucket_pack
 from .zero.stage3 import counters as stage3_counters
 from .zero.stage3 import generation as stage3_generation
@@ -47,9 +47,8 @@ class _ForwardRecord:
 class MultiEngine(DeepSpeedEngine):
     """Drop-in DeepSpeedEngine for plain ``loss.backward()`` through any number of engines.
 
-    Build it with :func:`deepspeed_multi.initialize`. Gradients accumulate over backward calls
-    until :meth:`step` (at the end of the engine's ``gradient_accumulation_steps`` window) or
-    :meth:`zero_grad`, as with a plain ``nn.Module``.
+    Build it with :func:`deepspeed_multi.initialize`. Gradients accumulate over backward calls until
+    :meth:`step` (at the end of its ``gradient_accumulation_steps`` window) or :meth:`zero_grad`.
     """
 
     def __init__(self, *args, user_managed_boundary=False, options=None, **kwargs):
@@ -129,6 +128,10 @@ class MultiEngine(DeepSpeedEngine):
             return outputs
         outputs = stage3_counters.cover_outputs(module, outputs)
         return wrap_outputs(self, outputs, _ForwardRecord(stage3_counters.armed_by_forward(zero3_before, module)))
+
+    def _broadcast_model(self):
+        with zero_dim.broadcastable(self.module):  # [Note: 0-dim parameters in DeepSpeed's broadcast]
+            super()._broadcast_model()
 
     # DeepSpeed's output hooks (DeepSpeedEngine.forward) call these two; the boundary nodes replace them.
     def _backward_prologue(self):
@@ -276,10 +279,8 @@ class MultiEngine(DeepSpeedEngine):
     def generation_mode(self):
         """The module over whole parameters, for generation between updates (ZeRO-3).
 
-        Every parameter is gathered once and ZeRO-3's per-module hooks are off for the duration, under
-        ``torch.no_grad()``; at the exit the parameters are partitioned again. Entering it is a collective
-        of the engine's data-parallel group. It may be entered inside an accumulation window: pending
-        gradients, partitions and optimizer state are untouched (docs/generation.md).
+        Every parameter gathered once, ZeRO-3's hooks off, under ``torch.no_grad()``; partitioned again at the
+        exit. A collective of the engine's group; pending gradients stay untouched (docs/generation.md).
 
         Returns:
             A context manager whose ``__enter__`` gives the module. At stages 0-2 it only runs the module
@@ -299,9 +300,8 @@ class MultiEngine(DeepSpeedEngine):
     def no_sync(self):
         """DeepSpeed's ``no_sync``, accepted at every stage; gradients stay exactly right inside it.
 
-        Stages 0/1 reduce only at
-        the update ([Note: who owns the gradient-accumulation boundary]): DeepSpeed's no_sync there.
-        Stages 2/3 must reduce-scatter in each backward; inside it they still do (saves nothing)."""
+        Stages 0/1 reduce only at the update: DeepSpeed's no_sync there. Stages 2/3 must reduce-scatter
+        in each backward; inside it they still do (saves nothing)."""
         if self.zero_optimization_partition_gradients():
             yield
         else:

@@ -8,13 +8,14 @@ import threading
 
 import deepspeed
 import torch
+from deepspeed.runtime.zero.partition_parameters import Init
 from . import compat, host_memory
 from .config import OPTIONS_KEY, load_config, prepare_engine_config, zero_stage
 from .engine import MultiEngine
 from .parts.plan import declared_submodules
 from .reliability import discarded_writes, managed_path
 from .reliability.misuse import refuse_engine_as_model, refuse_parameters_of_live_engine
-from .zero import block_sizes, torch_autocast
+from .zero import block_sizes, torch_autocast, zero_dim
 from .zero.stage3 import counters as stage3_counters
 from .zero.stage3 import generation as stage3_generation
 from .zero.stage3 import hpz_group
@@ -142,7 +143,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = functools.partial(MultiEngine, user_managed_boundary=user_managed, options=options)
     # deepspeed.initialize resolves the engine class from its module globals; swapping it for
     # the duration of the call reuses all of its argument handling without copying it.
-    with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class), torch_autocast.scoped(config), \
+    # ZeRO-3's conversion takes 0-dim parameters too ([Note: 0-dim parameters in DeepSpeed's broadcast]).
+    zero_init_param = zero_dim.zero3_init_param(Init._zero_init_param)
+    with _ENGINE_CLASS_LOCK, compat.swapped(deepspeed, "DeepSpeedEngine", engine_class), \
+            compat.swapped(Init, "_zero_init_param", zero_init_param), torch_autocast.scoped(config), \
             hpz_group.for_config(config):  # [Note: hpZ's group is the config's]
         host_memory.import_muon_kernels()  # [Note: Muon's kernels compiled at their first call]
         built = _upstream_initialize()(**kwargs)  # [Note: deepspeed.initialize swapped for ours]

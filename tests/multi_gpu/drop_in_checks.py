@@ -467,3 +467,77 @@ def hpz_group_stays_with_its_engine():
     for e in (first, frozen, again, frozen_hpz):
         e.destroy()
     return dist.get_rank()
+
+
+class _Scaled(torch.nn.Module):
+    """An MLP times a learned 0-dim scale (a temperature, a noise factor)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.mlp = MLP(seed=seed)
+        self.scale = torch.nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale.float()
+
+
+class _Noise(torch.nn.Module):
+    """Accelerate's multi-model script's NoiseModel, with its 0-dim parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.noise_factor = torch.nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, loss):
+        return loss * self.noise_factor.float()
+
+
+def zero_dim_parameters(stages=(0, 1, 2, 3), dtypes=("fp32", "bf16")):
+    """A model with a 0-dim parameter trains at every stage and dtype, beside a frozen ZeRO-3 engine over another
+    0-dim parameter, against plain PyTorch; upstream fails to build the 16-bit engine at ZeRO 0-2 (its broadcast
+    views the parameter as bytes)."""
+    from common import Member, Phase, Scenario, compare, run_engines, run_reference
+
+    def loss(models, batch, cache):
+        base = (models["model"](batch["x"]) - batch["y"]).pow(2).mean()
+        return base + models["noise"](base)
+
+    for stage in stages:
+        for dtype in dtypes:
+            members = {"model": Member(_Scaled, ds_config(stage, dtype, gas=2)),
+                       "noise": Member(_Noise, ds_config(3, dtype), trainable=False)}
+            scenario = Scenario(members, [Phase(loss)], dtype=dtype)
+            engines = run_engines(scenario, deepspeed_multi.initialize)
+            compare(engines, run_reference(scenario), members, dtype)
+            for engine in engines.values():
+                engine.destroy()
+    model = _Scaled()
+    try:
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             config=ds_config(1, "bf16"))
+    except RuntimeError as e:
+        assert "cannot be 0" in str(e), str(e)
+    else:
+        raise AssertionError("upstream built a bf16 ZeRO-1 engine over a 0-dim parameter: the test's premise changed")
+
+
+def initialize_swapped_for_ours():
+    from drop_in import initialize_swapped
+    from hf_common import reset_accelerate
+    with initialize_swapped(True):
+        assert deepspeed.initialize is deepspeed_multi.initialize
+        for build in (deepspeed_multi.initialize, deepspeed.initialize):
+            model = MLP()
+            engine = build(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config(2))[0]
+            assert isinstance(engine, deepspeed_multi.MultiEngine), type(engine)
+            engine.destroy()
+        from accelerate.utils import DeepSpeedPlugin
+
+        from deepspeed_multi.accelerate import Accelerator
+        reset_accelerate()
+        accelerator = Accelerator(deepspeed_plugins={"default": DeepSpeedPlugin(hf_ds_config=ds_config(2))})
+        model = MLP()
+        engine, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert isinstance(engine, deepspeed_multi.MultiEngine), type(engine)
+        engine.destroy()
+        reset_accelerate()

@@ -46,6 +46,7 @@ import torch
 import deepspeed.comm as dist
 
 import shipped_configs as table
+from drop_in import initialize_swapped, launcher_env
 from common import FP32_TOL, MLP, Member, compare, default_batch, ds_config
 from hf_models import causal_lm, tokens
 from trainer_checks import SEQ, TokenData, _args, _clear_ds_env, _fresh_process_state, _shared_tmp, _train, _weights_of
@@ -64,6 +65,7 @@ Expected = namedtuple("Expected", "config check text reason")
 # zero/stage0/fp16_norm.py). A ZeRO-3 grad_norm one fp32 ulp off upstream's under the Trainer, reported once, was
 # not seen with any config here.
 EXPECTED_FAILURES = []
+CHECKS = ("upstream", "drop_in", "two_engines")
 
 
 def _ok(message):
@@ -161,24 +163,9 @@ def _gas(entry) -> int:
 
 
 def launch_env(entry) -> dict:
-    """The environment ``accelerate launch --config_file <yaml>`` gives the script for a DeepSpeed yaml
-    (accelerate/utils/launch.py, prepare_deepspeed_cmd_env): TrainingArguments builds its DeepSpeedPlugin
-    from it."""
-    ds = entry.config["deepspeed_config"]
-    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": entry.config["mixed_precision"],
-           # (accelerate/commands/launch.py: the yaml's deepspeed_config keys, and mixed_precision from the yaml)
-           "ACCELERATE_CONFIG_DS_FIELDS": ",".join(list(ds) + ["mixed_precision"])}
-    names = {"zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-             "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-             "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
-             "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-             "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-             "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
-             "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"}
-    for key, var in names.items():
-        if key in ds:
-            env[var] = str(ds[key]).lower()
-    return env
+    """The environment ``accelerate launch --config_file <yaml>`` gives the script for a DeepSpeed yaml (Accelerate's
+    own launch functions on the entry's yaml): TrainingArguments builds its DeepSpeedPlugin from it."""
+    return launcher_env(entry.config)
 
 
 def trainer_job(trainer_cls, entry):
@@ -560,8 +547,13 @@ def _trainer_config(entry):
     ours = _attempt(trainer_job, MultiTrainer, entry)
     if autotp:
         _forget_autotp()
-    out = {"upstream": _against_upstream(ours if isinstance(ours, Exception) else ours[0],
-                                         up if isinstance(up, Exception) else up[0])}
+    with initialize_swapped(True):  # the stock Trainer, deepspeed.initialize ours: the drop-in
+        drop_in = _attempt(trainer_job, Trainer, entry)
+    if autotp:
+        _forget_autotp()
+    upstream = up if isinstance(up, Exception) else up[0]
+    out = {"upstream": _against_upstream(ours if isinstance(ours, Exception) else ours[0], upstream),
+           "drop_in": _against_upstream(drop_in if isinstance(drop_in, Exception) else drop_in[0], upstream)}
     if isinstance(up, Exception):
         out["two_engines"] = f"not run: upstream refuses the config ({_error_text(up)})"
     elif autotp:
@@ -638,7 +630,9 @@ def judge(results) -> list:
     bad = []
     for name, out in results.items():
         sources = ", ".join(table.by_name(name).sources)
-        for check in ("upstream", "two_engines"):
+        for check in CHECKS:
+            if check not in out:  # (drop_in: Trainer configs only)
+                continue
             outcome, exp = out[check], expected.get((name, check))
             if is_failure(outcome) and exp is not None and exp.text in outcome:
                 continue
@@ -655,6 +649,7 @@ def summary(results) -> str:
     lines = []
     for name, out in results.items():
         lines.append(f"{name} ({out['seconds']} s, {out['cpu_seconds']} s CPU)")
-        for check in ("upstream", "two_engines"):
-            lines.append(f"    {check}: {out[check]}")
+        for check in CHECKS:
+            if check in out:
+                lines.append(f"    {check}: {out[check]}")
     return "\n".join(lines)

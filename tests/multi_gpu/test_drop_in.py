@@ -22,6 +22,16 @@ def test_engine_backward_as_upstream():
     run_distributed(checks.engine_backward_through_two_engines, timeout_s=120)
 
 
+def test_zero_dim_parameters_build_and_train():
+    run_distributed(checks.zero_dim_parameters, timeout_s=240)
+
+
+def test_initialize_swapped_for_ours_does_not_reenter():
+    """deepspeed.initialize bound to ours (a program's own swap, the drop-in hook): ours, upstream's name and our
+    Accelerator's prepare each build a MultiEngine, none re-entering itself."""
+    run_distributed(checks.initialize_swapped_for_ours, timeout_s=120)
+
+
 def test_writes_that_gathered_parameters_discards_are_warned():
     run_distributed(checks.gathered_writes_warned, timeout_s=300)
 

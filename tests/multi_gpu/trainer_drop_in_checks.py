@@ -20,21 +20,10 @@ import deepspeed.comm as dist
 
 import deepspeed_multi
 import trainer_checks as tc
+from drop_in import initialize_swapped, launcher_env
 from hf_models import causal_lm
 
 STEPS = 4
-
-
-@contextlib.contextmanager
-def initialize_swapped(ours: bool):
-    """``deepspeed.initialize`` is ours inside (``ours``), as a program's own swap or the drop-in hook makes it."""
-    upstream = deepspeed.initialize
-    if ours:
-        deepspeed.initialize = deepspeed_multi.initialize
-    try:
-        yield
-    finally:
-        deepspeed.initialize = upstream
 
 
 def _engine_class_is(trainer, ours: bool):
@@ -232,26 +221,12 @@ def saved_models_as_upstream(stages=(2, 3)):
     return len(stages)
 
 
-def launcher_env(yaml_path, num_processes=2):
-    """The ACCELERATE_* variables ``accelerate launch --config_file yaml_path --num_processes N --mixed_precision no``
-    exports to its ranks, computed by Accelerate's own launch functions (as its ``launch_command`` does before it
-    starts them)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env
-    args = launch_command_parser().parse_args(["--config_file", yaml_path, "--num_processes", str(num_processes),
-                                               "--mixed_precision", "no", "script.py"])
-    args, defaults, mp_from_config = _validate_launch_command(args)
-    fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
-    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-    _, env = prepare_deepspeed_cmd_env(args)
-    return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
-
-
 @contextlib.contextmanager
 def launched_by(yaml_name):
     """Every Trainer run inside as launched by ``accelerate launch`` with TRL's shipped ``yaml_name``."""
     import trl
-    tc.LAUNCH_ENV.update(launcher_env(os.path.join(os.path.dirname(trl.__file__), "accelerate_configs", yaml_name)))
+    yaml_path = os.path.join(os.path.dirname(trl.__file__), "accelerate_configs", yaml_name)
+    tc.LAUNCH_ENV.update(launcher_env(yaml_path, mixed_precision="no"))
     assert tc.LAUNCH_ENV["ACCELERATE_USE_DEEPSPEED"] == "true" and "ACCELERATE_CONFIG_DS_FIELDS" in tc.LAUNCH_ENV
     try:
         yield

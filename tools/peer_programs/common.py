@@ -106,3 +106,16 @@ def value_differences(a, b):
             if a[i].get(key) != b[i].get(key):
                 found.append((i, key, a[i].get(key), b[i].get(key)))
     return found
+
+
+def error_tail(log, lines=40):
+    """The traceback that ended a failed run (the first rank's), else the log's last lines."""
+    with open(log, errors="replace") as f:
+        text = f.read().splitlines()
+    for i, line in enumerate(text):
+        if "Traceback (most recent call last)" in line:
+            end = i + 1
+            while end < len(text) and (text[end].startswith((" ", "\t", "[rank")) or "Error" not in text[end - 1]):
+                end += 1
+            return "\n".join(text[i:min(end + 1, i + 80)])
+    return "\n".join(text[-lines:])

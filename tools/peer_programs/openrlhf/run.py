@@ -189,7 +189,7 @@ def run_one(case, side, variant, ctx):
     result["engines"] = common.engine_counts(swap_log)
     result["shims"] = shim_lines(os.path.join(run_dir, "output.log"))
     if rc != 0:
-        result["error"] = error_tail(os.path.join(run_dir, "output.log"))
+        result["error"] = common.error_tail(os.path.join(run_dir, "output.log"))
     status = "ok" if rc == 0 else ("TIMEOUT" if rc is None else f"rc {rc}")
     print(f"  {name:<14} {side + (' ' + variant if variant else ''):<22} {status:<8} {seconds:6.1f} s", flush=True)
     return result
@@ -206,19 +206,6 @@ def shim_lines(log):
                 if s and s not in seen:
                     seen.append(s)
     return seen
-
-
-def error_tail(log, lines=40):
-    """The traceback that ended a failed run (the first rank's), else the log's last lines."""
-    with open(log, errors="replace") as f:
-        text = f.read().splitlines()
-    for i, line in enumerate(text):
-        if "Traceback (most recent call last)" in line:
-            end = i + 1
-            while end < len(text) and (text[end].startswith((" ", "\t", "[rank")) or "Error" not in text[end - 1]):
-                end += 1
-            return "\n".join(text[i:min(end + 1, i + 80)])
-    return "\n".join(text[-lines:])
 
 
 def outputs(run):
