@@ -28,13 +28,14 @@ by Accelerate). Plugins and configs given later to ``prepare`` get the same trea
 """
 import contextlib
 import os
+import weakref
 
 import accelerate
 import deepspeed
 import torch
 
 from accelerate.utils import DistributedType
-from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
 from accelerate.scheduler import AcceleratedScheduler
 
 from ..reliability import managed_path
@@ -42,6 +43,7 @@ from ..engine import MultiEngine
 from ..parts.engine import PartedEngine
 
 ENGINES = (MultiEngine, PartedEngine)  # what prepare() builds: one engine per model, or one of parts
+_ACCELERATORS = weakref.WeakSet()  # every live Accelerator of ours: a model may be another one's (_engine_of)
 from . import plugins as _plugins
 from . import sequence_parallel
 from ._routing import multi_engine_initialize
@@ -62,6 +64,7 @@ class Accelerator(accelerate.Accelerator):
         self._mixed_precision_request = str(mixed_precision)
         self._managed_wrapper = None  # Accelerate's wrapper of an engine on DeepSpeed's managed path (backward)
         super().__init__(*args, **kwargs)
+        _ACCELERATORS.add(self)
         if self._uses_deepspeed:
             sync_world_size(self.state)   # see [Note: Accelerate's DeepSpeed mode on CPU]
 
@@ -116,11 +119,12 @@ class Accelerator(accelerate.Accelerator):
     def _prepare_deepspeed(self, *args):
         with multi_engine_initialize(), sequence_parallel.register_once():  # [Note: one Ulysses registration ...]
             result = list(super()._prepare_deepspeed(*args))
-        # Accelerate ties backward() to the first engine; ours drives every engine (see backward), except an engine on
-        # DeepSpeed's managed path, which keeps Accelerate's own wrapper ([Note: the drop-in rule]).
-        if any(managed_path.is_managed(obj) for obj in result):
-            self._managed_wrapper = self.deepspeed_engine_wrapped
-        self.deepspeed_engine_wrapped = None
+        # Accelerate ties deepspeed_engine_wrapped to the first engine and warns at the next: kept as upstream keeps
+        # them, for a program that reads them. Our backward() drives every engine itself, except an engine on
+        # DeepSpeed's managed path, which gets Accelerate's own wrapper ([Note: the drop-in rule]).
+        managed = next((obj for obj in result if managed_path.is_managed(obj)), None)
+        if managed is not None:
+            self._managed_wrapper = DeepSpeedEngineWrapper(managed)
         engine = next((obj for obj in result if isinstance(obj, ENGINES)), None)
         optimizer = None
         for i, obj in enumerate(result):
@@ -133,19 +137,26 @@ class Accelerator(accelerate.Accelerator):
                     raise ValueError(f"prepare(): a learning-rate scheduler was passed for "
                                      f"{type(engine.module).__name__} without its optimizer. Pass the model, its "
                                      "optimizer and its scheduler to the same prepare() call.")
-                scheduler = UpdateScheduler(obj.scheduler, optimizer, self.step_scheduler_with_optimizer)
+                scheduler = UpdateScheduler(obj.scheduler, optimizer, self.step_scheduler_with_optimizer,
+                                            self._scheduler_steps_per_update)
                 result[i] = self._replace(self._schedulers, obj, scheduler)
             elif engine is None and isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
                 # prepare(scheduler) on its own: Accelerate returns it unwrapped under DeepSpeed.
                 result[i] = self._join_engine(obj)
         return tuple(result)
 
+    @property
+    def _scheduler_steps_per_update(self) -> int:
+        """Accelerate's scheduler steps per optimizer step: one per process unless batches are split."""
+        return 1 if self.split_batches else self.num_processes
+
     def _join_engine(self, scheduler):
         """A scheduler prepared without its model follows the engine whose optimizer it schedules."""
         for opt in self._optimizers:
             if isinstance(opt, EngineOptimizer) and getattr(scheduler, "optimizer", None) in (
                     opt, opt.optimizer, getattr(opt.engine, "basic_optimizer", None)):
-                wrapped = UpdateScheduler(scheduler, opt, self.step_scheduler_with_optimizer)
+                wrapped = UpdateScheduler(scheduler, opt, self.step_scheduler_with_optimizer,
+                                          self._scheduler_steps_per_update)
                 self._schedulers.append(wrapped)
                 return wrapped
         raise ValueError(f"prepare({type(scheduler).__name__}): its optimizer belongs to no model prepared so far. "
@@ -196,24 +207,28 @@ class Accelerator(accelerate.Accelerator):
                 f"{len(models) - 1} more model(s) prepared in this Accelerator, backward() cannot tell which engines "
                 "the loss reaches. Prepare that model in an Accelerator of its own, or drop "
                 f"{engine.managed_feature.split(' (')[0]} from its config.")
-        self.deepspeed_engine_wrapped = self._managed_wrapper
+        tied, self.deepspeed_engine_wrapped = self.deepspeed_engine_wrapped, self._managed_wrapper
         try:
             yield
         finally:
-            self.deepspeed_engine_wrapped = None
+            self.deepspeed_engine_wrapped = tied
 
     def _managed_backward(self, loss, **kwargs):
         with self._as_upstream("backward()"):
             return accelerate.Accelerator.backward(self, loss, **kwargs)
 
     def _engine_of(self, what, params=None, model=None):
+        """The engine of ``model`` (or owning ``params``), prepared by this Accelerator or by another of ours in the
+        process: the guide's pattern of a second Accelerator for a second model, which Accelerate accepts."""
         engines = [m for m in self._models if isinstance(m, ENGINES)]
+        engines += [m for other in list(_ACCELERATORS) if other is not self for m in other._models
+                    if isinstance(m, ENGINES) and not any(m is e for e in engines)]
         if model is not None:
             for engine in engines:
                 if model is engine or model is engine.module:
                     return engine
-            raise ValueError(f"{what}: {type(model).__name__} is not a model prepared by this Accelerator; pass the "
-                             "object that prepare() returned.")
+            raise ValueError(f"{what}: {type(model).__name__} is not a model prepared by an Accelerator of "
+                             "deepspeed_multi; pass the object that prepare() returned.")
         wanted = {id(p) for p in params}
         for engine in engines:
             if wanted and wanted <= {id(p) for p in engine.module.parameters()}:
@@ -331,6 +346,9 @@ class Accelerator(accelerate.Accelerator):
         for engine in self.engines():
             if not any(engine is k for k in kept):
                 engine.destroy()
+        tied = getattr(self, "deepspeed_engine_wrapped", None)
+        if tied is not None and any(tied.engine is k for k in kept):
+            self.deepspeed_engine_wrapped = None  # (Accelerate's free_memory destroys the tied engine)
         out = super().free_memory(*objects)
         self._models.extend(kept)
         return out

@@ -29,7 +29,7 @@ class EngineOptimizer(EngineSteps, AcceleratedOptimizer):
 
 
 class UpdateScheduler(AcceleratedScheduler):
-    """A PyTorch LR scheduler that advances once per update of its engine.
+    """A PyTorch LR scheduler that advances as Accelerate's does, once its engine applied an update.
 
     What ``prepare`` returns for a scheduler under DeepSpeed; built by the Accelerator.
 
@@ -38,10 +38,15 @@ class UpdateScheduler(AcceleratedScheduler):
         optimizer (EngineOptimizer): the prepared optimizer of the engine whose updates it follows.
         step_with_optimizer (bool): True follows the engine's updates; False steps ``scheduler`` at every
             ``step()``, as Accelerate does (the Accelerator's ``step_scheduler_with_optimizer``).
+        steps_per_update (int): scheduler steps per applied update: Accelerate's, ``num_processes`` unless the
+            Accelerator splits batches (a schedule sized in single-process batches), else 1.
     """
 
-    def __init__(self, scheduler, optimizer: EngineOptimizer, step_with_optimizer: bool = True):
-        super().__init__(scheduler, optimizer, step_with_optimizer=step_with_optimizer, split_batches=True)
+    def __init__(self, scheduler, optimizer: EngineOptimizer, step_with_optimizer: bool = True,
+                 steps_per_update: int = 1):
+        super().__init__(scheduler, optimizer, step_with_optimizer=step_with_optimizer,
+                         split_batches=steps_per_update == 1)
+        self.steps_per_update = steps_per_update
         self._seen = optimizer.updates
 
     @property
@@ -50,20 +55,25 @@ class UpdateScheduler(AcceleratedScheduler):
         return self.optimizers[0]
 
     def step(self, *args, **kwargs):
-        """Step the scheduler once if its engine applied an update since the last ``step()``, else not at all.
+        """Step the scheduler ``steps_per_update`` times if its engine applied an update since the last ``step()``.
 
-        Accelerate's scheduler steps whenever the optimizer was stepped and not skipped (and, when
-        batches are not split, once per process); this one counts the updates its engine applied, so
-        a ``step()`` inside an accumulation window or after a skipped fp16 update does nothing
-        ([Note: one update, one scheduler step] in integrations/engine_steps.py). With
-        ``step_with_optimizer=False`` it steps every time, as Accelerate's.
+        Accelerate's scheduler steps whenever the optimizer was stepped at a window's end and not skipped,
+        ``num_processes`` times unless batches are split; this one counts the updates its engine applied
+        (each engine has its own window), so a ``step()`` inside an accumulation window, a second one after
+        the same update or one after a skipped fp16 update does nothing ([Note: one update, one scheduler step]
+        in integrations/engine_steps.py). With ``step_with_optimizer=False`` it steps once every time, as
+        Accelerate's.
         """
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return
         updates = self.engine_optimizer.updates
         if updates > self._seen:
-            self.scheduler.step(*args, **kwargs)
+            for _ in range(self.steps_per_update):
+                # OneCycleLR refuses a step past its total_steps; Accelerate's wrapper stops there too.
+                total = getattr(self.scheduler, "total_steps", None)
+                if total is None or self.scheduler._step_count <= total:
+                    self.scheduler.step(*args, **kwargs)
         self._seen = updates
 
     def load_state_dict(self, state_dict):

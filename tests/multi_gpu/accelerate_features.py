@@ -2,6 +2,7 @@
 accumulate, launch-time config file, mixed precision, errors) and Transformers models as engines."""
 import copy
 import json
+import logging
 import os
 
 import torch
@@ -9,7 +10,7 @@ import torch
 import deepspeed.comm as dist
 
 import hf_models as hm
-from common import FP32_TOL, MLP, expect_error, full_params
+from common import FP32_TOL, MLP, Records, expect_error, full_params
 from hf_common import LR, lr_lambda, reset_accelerate
 from hf_loops import cfg
 
@@ -276,7 +277,7 @@ def dataloader_and_world():
 
 def fp16_skip_does_not_advance_schedule():
     """An fp16 overflow skips the update: step_was_skipped is True and the schedule does not move;
-    the next clean update advances it once."""
+    the next clean update advances it as Accelerate does (num_processes steps)."""
     fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000}
     acc = _accelerator(a=cfg(2, fp16=fp16))
     model = MLP(seed=1)
@@ -296,8 +297,111 @@ def fp16_skip_does_not_advance_schedule():
         assert opt.step_was_skipped == poison, (step, opt.step_was_skipped)
         lrs.append(sched.get_last_lr())
     assert lrs[1] == lrs[0] and lrs[2] != lrs[1], f"LR must stay on the skipped update, then move once: {lrs}"
-    assert sched.scheduler.last_epoch == 1, sched.scheduler.last_epoch
+    assert sched.scheduler.last_epoch == acc.num_processes, (sched.scheduler.last_epoch, acc.num_processes)
     return {"fp16_skip": "schedule held on the skipped update"}
+
+
+def _scheduled_run(accelerator_cls, config, steps=6):
+    """One engine, gas from ``config``, a client LambdaLR, the guide's loop under ``accumulate``: (LRs, weights)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from deepspeed_multi.accelerate.cpu_world import sync_world_size
+    reset_accelerate()
+    acc = accelerator_cls(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=copy.deepcopy(config)))
+    sync_world_size(acc.state)  # (plain Accelerate on CPU counts one process: the shim both sides need)
+    model = MLP(seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt, sched = acc.prepare(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
+    lrs = []
+    for step in range(steps):
+        with acc.accumulate(model):
+            x, y = _batch(step)
+            acc.backward(((model(x) - y)**2).mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(sched.get_last_lr())
+    weights = full_params(model)
+    model.destroy()
+    return lrs, weights
+
+
+def schedule_as_upstream():
+    """A client scheduler under our Accelerator steps as under Accelerate's (num_processes steps an update, none
+    inside a window): the same learning rates at every step, ZeRO-2 and ZeRO-3, gas 2."""
+    from accelerate import Accelerator as Upstream
+
+    from deepspeed_multi.accelerate import Accelerator
+    for stage in (2, 3):
+        config = cfg(stage, gas=2)
+        want, got = _scheduled_run(Upstream, config), _scheduled_run(Accelerator, config)
+        assert got[0] == want[0], f"ZeRO-{stage}: learning rates {got[0]}, Accelerate's {want[0]}"
+        err = max((got[1][k] - want[1][k]).abs().max().item() for k in want[1])
+        assert err <= FP32_TOL, f"ZeRO-{stage}: weights {err:.3e} off Accelerate's"
+    return {"schedule_as_upstream": "the same learning rates as Accelerate's"}
+
+
+def two_accelerators_as_the_guide(steps=4):
+    """The guide's pattern (Accelerate's multi-model script): a ZeRO-2 model prepared by one Accelerator, a ZeRO-3
+    model by a second one sharing its state, ``first.accumulate(both)``, each loss through its own Accelerator's
+    backward, schedulers stepped: exact against plain PyTorch; each Accelerator's ``deepspeed_engine_wrapped`` is
+    its first model's engine, and a second model prepared by the first logs Accelerate's warning."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from deepspeed_multi.accelerate import Accelerator
+    reset_accelerate()
+    first = Accelerator(deepspeed_plugins={"zero2": DeepSpeedPlugin(hf_ds_config=cfg(2)),
+                                           "zero3": DeepSpeedPlugin(hf_ds_config=cfg(3))})
+    second = Accelerator()  # Accelerate's state is shared: the same plugins
+    plain = {name: MLP(seed=seed) for name, seed in (("zero2", 1), ("zero3", 2))}
+    ref_opts = {n: torch.optim.SGD(m.parameters(), lr=LR) for n, m in plain.items()}
+    ref_scheds = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for n, o in ref_opts.items()}
+    prepared = {}
+    for name, acc in (("zero2", first), ("zero3", second)):
+        acc.state.select_deepspeed_plugin(name)
+        model = MLP(seed=1 if name == "zero2" else 2)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        prepared[name] = acc.prepare(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
+        assert acc.deepspeed_engine_wrapped.engine is prepared[name][0], name
+    first.state.select_deepspeed_plugin("zero2")
+    world = first.num_processes
+    for step in range(steps):
+        with first.accumulate(prepared["zero2"][0], prepared["zero3"][0]):
+            for name, acc in (("zero2", first), ("zero3", second)):
+                model, opt, sched = prepared[name]
+                x, y = _batch(step)
+                acc.backward(((model(x) - y)**2).mean())
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+        for name in plain:  # every rank's batch, averaged; Accelerate's num_processes scheduler steps an update
+            for r in range(world):
+                g = torch.Generator().manual_seed(100 * step + r)
+                x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+                (((plain[name](x) - y)**2).mean() / world).backward()
+            ref_opts[name].step()
+            ref_opts[name].zero_grad()
+            for _ in range(world):
+                ref_scheds[name].step()
+    for name, (model, _, sched) in prepared.items():
+        got, want = full_params(model), {k: v.detach() for k, v in plain[name].named_parameters()}
+        err = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert err <= FP32_TOL, f"{name}: {err:.3e} off plain PyTorch"
+        assert sched.get_last_lr() == ref_scheds[name].get_last_lr(), (name, sched.get_last_lr())
+    records = Records()
+    logging.getLogger("accelerate.accelerator").addHandler(records)
+    try:
+        third = MLP(seed=3)
+        extra = first.prepare(third, torch.optim.SGD(third.parameters(), lr=LR))[0]
+    finally:
+        logging.getLogger("accelerate.accelerator").removeHandler(records)
+    assert first.deepspeed_engine_wrapped.engine is prepared["zero2"][0]
+    warned = any("A wrapped DeepSpeed engine reference is currently tied" in m for m in records.messages)
+    assert warned == first.is_main_process, records.messages  # (Accelerate logs on the main process only)
+    for engine in (extra, prepared["zero2"][0], prepared["zero3"][0]):
+        engine.destroy()
+    reset_accelerate()
+    return {"two_accelerators": "exact against plain PyTorch; deepspeed_engine_wrapped as upstream's"}
 
 
 def free_memory_then_prepare_again():
@@ -341,6 +445,8 @@ def features(tmp):
     report.update(mixed_precision())
     report.update(dataloader_and_world())
     report.update(fp16_skip_does_not_advance_schedule())
+    report.update(schedule_as_upstream())
+    report.update(two_accelerators_as_the_guide())
     report.update(zero_init_transformers())
     report.update(hf_engine_features())
     report.update(free_memory_then_prepare_again())

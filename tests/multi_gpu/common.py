@@ -5,6 +5,7 @@ ranks, once as plain PyTorch modules on every rank (the reference sees the batch
 ranks and averages the per-rank losses, which is what data-parallel averaging computes).
 """
 import copy
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -320,3 +321,14 @@ def compare(engines, reference, members, dtype="fp32"):
             assert cos > 0.99 and abs(ratio - 1) < 0.05, (
                 f"engine {name!r}: update cosine {cos:.4f} (want > 0.99), norm ratio {ratio:.4f} (want 1 +- 0.05)")
     return report
+
+
+class Records(logging.Handler):
+    """A logging handler that keeps each record's message (attach it to the logger under test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())

@@ -33,9 +33,12 @@ def weights(engine):
     return out
 
 
-def train_alone(initialize, config, updates=3, seed=0, width=16, plain_backward=False):
+def train_alone(initialize, config, updates=3, seed=0, width=16, plain_backward=False, scale_wrt_gas=True,
+                direct=False):
     """One MLP engine trained with ``engine.backward``/``engine.step`` for ``updates`` windows; returns
-    (losses, gradient norms at each update, full weights) and destroys the engine."""
+    (losses (what ``engine.backward`` returned), gradient norms at each update, full weights) and destroys the
+    engine. ``scale_wrt_gas=False``: the loss comes divided by the accumulation (the Trainer's way); ``direct``: a
+    term over ``fc2.weight`` used as a tensor outside the forward (TRL's distillation loss over ``lm_head.weight``)."""
     model = MLP(d_hidden=width, seed=seed)
     if "optimizer" in config:  # DeepSpeed's own (ZenFlow's CPU Adam)
         engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -46,10 +49,12 @@ def train_alone(initialize, config, updates=3, seed=0, width=16, plain_backward=
     for step in range(updates * gas):
         batch = default_batch(step, dist.get_rank())
         loss = (engine(batch["x"].to(engine.device)) - batch["y"].to(engine.device)).pow(2).mean()
+        if direct:
+            loss = loss + 0.1 * engine.module.fc2.weight.float().pow(2).sum()
         if plain_backward:
             loss.backward()
         else:
-            engine.backward(loss)
+            loss = engine.backward(loss if scale_wrt_gas else loss / gas, scale_wrt_gas=scale_wrt_gas)
         engine.step()
         losses.append(loss.item())
         if (step + 1) % gas == 0:
@@ -72,30 +77,6 @@ def same_as_upstream(config, what, updates=3, **kw):
             f"{what}: {name} differs from upstream by {(got[2][name].double() - w.double()).abs().max().item():.3e}"
 
 
-def _train_by_engine_backward(initialize, config, scale_wrt_gas, direct, updates=2):
-    """``engine.backward`` as callers of upstream's use it: with ``scale_wrt_gas=False`` the loss comes divided by
-    the accumulation (the Trainer's way); ``direct``: a term over ``fc2.weight`` used as a tensor outside the
-    forward (TRL's distillation loss over ``lm_head.weight``). Returns (returned losses, norms, weights)."""
-    model = MLP(seed=0)
-    engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
-    gas = engine.gradient_accumulation_steps()
-    losses, norms = [], []
-    for step in range(updates * gas):
-        batch = default_batch(step, dist.get_rank())
-        loss = (engine(batch["x"]) - batch["y"]).pow(2).mean()
-        if direct:
-            loss = loss + 0.1 * engine.module.fc2.weight.float().pow(2).sum()
-        returned = engine.backward(loss if scale_wrt_gas else loss / gas, scale_wrt_gas=scale_wrt_gas)
-        engine.step()
-        losses.append(returned.item())
-        if (step + 1) % gas == 0:
-            norm = engine.get_global_grad_norm()
-            norms.append(None if norm is None else float(norm))
-    found = weights(engine)
-    engine.destroy()
-    return losses, norms, found
-
-
 # (stage, dtype, gas, scale_wrt_gas): each stage in fp32 with the loss divided by the caller and in bf16 divided by
 # the engine, fp16 (its loss scale) at ZeRO 1-3 (upstream's ZeRO-0 fp16 does not scale its loss: not comparable).
 ENGINE_BACKWARD_CASES = [(stage, dtype, gas, swg) for stage in range(4)
@@ -107,15 +88,8 @@ def engine_backward_as_upstream(cases=tuple(ENGINE_BACKWARD_CASES)):
     """``engine.backward(loss, scale_wrt_gas=...)`` trains as upstream's, bit for bit, a parameter used directly
     outside the forward included (below ZeRO-3, where upstream's partitioned parameter cannot be used so)."""
     for stage, dtype, gas, swg in cases:
-        config = ds_config(stage, dtype, gas=gas)
-        what = f"ZeRO-{stage} {dtype} gas {gas} scale_wrt_gas={swg}"
-        want = _train_by_engine_backward(deepspeed.initialize, config, swg, direct=stage < 3)
-        got = _train_by_engine_backward(deepspeed_multi.initialize, config, swg, direct=stage < 3)
-        assert got[0] == want[0], f"{what}: returned losses {got[0]} vs upstream {want[0]}"
-        assert got[1] == want[1], f"{what}: gradient norms {got[1]} vs upstream {want[1]}"
-        for name, w in want[2].items():
-            assert torch.equal(got[2][name], w), \
-                f"{what}: {name} differs from upstream by {(got[2][name].double() - w.double()).abs().max().item():.3e}"
+        same_as_upstream(ds_config(stage, dtype, gas=gas), f"ZeRO-{stage} {dtype} gas {gas} scale_wrt_gas={swg}", 2,
+                         scale_wrt_gas=swg, direct=stage < 3)
     return len(cases)
 
 
@@ -541,3 +515,42 @@ def initialize_swapped_for_ours():
         assert isinstance(engine, deepspeed_multi.MultiEngine), type(engine)
         engine.destroy()
         reset_accelerate()
+
+
+def _rng_states():
+    import random
+
+    import numpy as np
+    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
+
+def _rng_after(initialize, stage, dtype):
+    """The process's RNG states after ``initialize`` and after one training step of the engine it built."""
+    import random
+
+    import numpy as np
+    torch.manual_seed(5)
+    np.random.seed(5)
+    random.seed(5)
+    model = MLP()
+    engine = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        config=ds_config(stage, dtype))[0]
+    built = _rng_states()
+    batch = default_batch(0, dist.get_rank())
+    engine.backward((engine(batch["x"]) - batch["y"]).pow(2).mean())
+    engine.step()
+    stepped = _rng_states()
+    engine.destroy()
+    return built, stepped
+
+
+def rng_as_upstream():
+    """Building an engine through ours, and training it, consumes and leaves torch's, numpy's and Python's RNGs
+    exactly as upstream's does (a data loader's shuffle or dropout after it draws the same numbers)."""
+    for stage in range(4):
+        for dtype in ("fp32", "bf16"):
+            want, got = _rng_after(deepspeed.initialize, stage, dtype), _rng_after(deepspeed_multi.initialize, stage,
+                                                                                  dtype)
+            for when, w, g in (("after initialize", want[0], got[0]), ("after a step", want[1], got[1])):
+                assert torch.equal(g[0], w[0]) and (g[1] == w[1]).all() and g[2] == w[2], \
+                    f"ZeRO-{stage} {dtype}: the RNG states {when} differ from upstream's"

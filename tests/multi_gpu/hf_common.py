@@ -8,7 +8,8 @@ phases; each phase returns a loss for one ``accelerator.backward`` and lists the
 ``optimizer.zero_grad()``. The reference follows Accelerate's meaning of those calls under
 gradient accumulation: gradients of a window's micro-batches add up, the update at the window's
 end uses their mean, ``zero_grad`` inside a window does nothing, the schedule advances once per
-update. It sees every rank's batch and averages the ranks' losses, as data parallelism does.
+update (``num_processes`` times for a scheduler the loop prepares, as Accelerate steps it). It sees
+every rank's batch and averages the ranks' losses, as data parallelism does.
 """
 import copy
 import math
@@ -190,7 +191,9 @@ def run_reference(loop: Loop, initial):
                 windows[name] += 1
                 if windows[name] % gas == 0:
                     window_update(models[name], opts[name], gas)
-                    if name in scheds:
+                    # Accelerate steps a scheduler of the loop's num_processes times an update; the engine steps
+                    # one from the config once.
+                    for _ in range(0 if name not in scheds else 1 if loop.members[name].from_config else world):
                         scheds[name].step()
                 if name in scheds:
                     lrs[name].append(_lr(scheds[name]))

@@ -24,7 +24,7 @@ import torch
 
 import deepspeed.comm as dist
 import deepspeed_multi
-from common import FP32_TOL, MLP, ds_config, full_params
+from common import FP32_TOL, MLP, Records, ds_config, full_params
 from deepspeed_multi import compat
 from harness import run_distributed
 
@@ -113,16 +113,6 @@ def _changed(cls, name):
     return staticmethod(changed_upstream) if static else changed_upstream
 
 
-class _Records(logging.Handler):
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def _assert_same(got, want, what, exact):
     for i, (g, w) in enumerate(zip(got, want)):
         for n in w:
@@ -131,7 +121,7 @@ def _assert_same(got, want, what, exact):
 
 
 def _check():
-    records = _Records()
+    records = Records()
     logging.getLogger("deepspeed_multi.compat").addHandler(records)
     reference = _reference()
 

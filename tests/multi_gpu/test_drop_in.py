@@ -22,6 +22,10 @@ def test_engine_backward_as_upstream():
     run_distributed(checks.engine_backward_through_two_engines, timeout_s=120)
 
 
+def test_rng_as_upstream():
+    run_distributed(checks.rng_as_upstream, timeout_s=120)
+
+
 def test_zero_dim_parameters_build_and_train():
     run_distributed(checks.zero_dim_parameters, timeout_s=240)
 

@@ -45,14 +45,15 @@ def accelerator():
 
 @settings(max_examples=60, deadline=None)
 @given(gas=st.integers(1, 4), calls=st.lists(st.sampled_from(["loop", "extra_sched", "zero_grad"]), max_size=40),
-       skips=st.lists(st.booleans(), max_size=20))
-def test_one_schedule_step_per_applied_update(accelerator, gas, calls, skips):
+       skips=st.lists(st.booleans(), max_size=20), steps=st.integers(1, 3))
+def test_schedule_steps_per_applied_update(accelerator, gas, calls, skips, steps):
+    """``steps`` scheduler steps per applied update (Accelerate's num_processes, 1 with split batches)."""
     from deepspeed_multi.accelerate.wrappers import EngineOptimizer, UpdateScheduler
     engine = FakeEngine(gas, skips)
     base = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(base, lambda u: 1.0)
     opt = EngineOptimizer(base, engine)
-    wrapped = UpdateScheduler(sched, opt)
+    wrapped = UpdateScheduler(sched, opt, steps_per_update=steps)
     expected_discards = 0
     for call in calls:
         if call == "loop":           # the RFC/guide loop body after accelerator.backward
@@ -71,4 +72,4 @@ def test_one_schedule_step_per_applied_update(accelerator, gas, calls, skips):
             assert engine.discards - before == (0 if inside else 1)
     applied = engine.global_steps - engine.skipped_steps
     assert opt.updates == applied
-    assert sched.last_epoch == applied, (sched.last_epoch, applied)
+    assert sched.last_epoch == applied * steps, (sched.last_epoch, applied, steps)

@@ -12,9 +12,10 @@ package does not ship them). Nothing of TRL lives in this repository. Each case 
 script as written) and "ours" (``deepspeed.initialize`` replaced by ``deepspeed_multi.initialize`` in every
 process, tools/drop_in/sitecustomize.py).
 
-The inputs are made once per --out: tiny Qwen2 models from configs (a tied-embedding policy, a teacher, a
+The inputs are made once per --out: tiny Llama models from configs (a tied-embedding policy, a teacher, a
 sequence-classification reward model) with random weights, a word-level tokenizer over a local vocabulary with a
-chat template, and 32-row jsonl datasets in each script's format. Each run: 4 optimizer steps, micro-batch 2,
+chat template (a Llama config, because Transformers 5 loads a Qwen2 directory's tokenizer as Qwen2's BPE, which
+reads a word-level vocabulary as no tokens at all), and 32-row jsonl datasets in each script's format. Each run: 4 optimizer steps, micro-batch 2,
 gradient accumulation 2 (1 at ZeRO-1, whose yaml sets it), a checkpoint at step 4.
 
 Compared per case, upstream vs ours (bit-identical is the target): every value of ``trainer_state.json``'s
@@ -63,7 +64,7 @@ SCRIPTS = {
     "online_dpo": ("src", "prompts", ["--reward_model_path", "{reward}", "--max_new_tokens", "4"]),
 }
 STAGES = (1, 2, 3)
-WALL_CLOCK = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos")
+WALL_CLOCK = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "step_time")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,15 +72,15 @@ WALL_CLOCK = ("train_runtime", "train_samples_per_second", "train_steps_per_seco
 # ----------------------------------------------------------------------------------------------
 
 def prepare(assets):
-    """Tiny Qwen2 policy (tied), teacher and reward model with one tokenizer; datasets as <assets>/data/<name>/."""
+    """Tiny Llama policy (tied), teacher and reward model with one tokenizer; datasets as <assets>/data/<name>/."""
     done = os.path.join(assets, "done")
     paths = {k: os.path.join(assets, k) for k in ("policy", "teacher", "reward")}
     if os.path.exists(done):
         return paths
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
-    from transformers import Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -90,7 +91,7 @@ def prepare(assets):
                                         chat_template=chat)
 
     def config(**kw):
-        return Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        return LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                            pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
 
@@ -101,6 +102,8 @@ def prepare(assets):
         torch.manual_seed(seed)
         build().save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
+    probe = AutoTokenizer.from_pretrained(paths["policy"])("w3 w4")["input_ids"]
+    assert probe == [3, 4], f"the scripts' AutoTokenizer reads the saved tokenizer as {probe}, not [3, 4]"
 
     g = torch.Generator().manual_seed(3)
 
