@@ -29,7 +29,7 @@ OLDEST_TESTS := tests/multi_gpu/test_matrix.py tests/multi_gpu/test_accelerate.p
 	tests/multi_gpu/test_checkpoint.py::test_resume_at_another_world_size \
 	tests/multi_gpu/test_trainer.py::test_trainer_matches_ddp_trainer
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite test-peer-programs test-peer-trl docs docs-check demo bench test-bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-wheel test-unit test-multi test-deepspeed-suite test-accelerate-suite test-peer-programs test-peer-trl docs docs-check demo bench test-bench fuzz clean
 
 setup: $(STAMP)
 
@@ -123,6 +123,20 @@ $(SUITE_PKGS)/.installed: $(STAMP)
 test-deepspeed-suite: setup $(SUITE_PKGS)/.installed
 	@test -n "$(DEEPSPEED_SRC)" || { echo "usage: make test-deepspeed-suite DEEPSPEED_SRC=<a DeepSpeed source checkout>"; exit 2; }
 	$(PY) tools/deepspeed_suite/run.py --deepspeed-src $(DEEPSPEED_SRC) --pytest-packages $(SUITE_PKGS)
+
+# Accelerate's own DeepSpeed tests (tests/deepspeed of an Accelerate checkout, the scripts they launch from the
+# installed package) upstream, through the drop-in, through our Accelerator and both (tools/accelerate_suite/run.py,
+# docs/accelerate_suite.md); not part of `make test`. `make test-accelerate-suite ACCELERATE_SRC=<a checkout>`.
+ACC_SUITE_PKGS := $(abspath $(VENV))/accelerate-suite-packages
+ACC_SUITE_OUT ?= $(abspath $(VENV))/accelerate-suite-results
+$(ACC_SUITE_PKGS)/.installed: $(STAMP)
+	$(PY) -m pip install -q --target $(ACC_SUITE_PKGS) parameterized
+	touch $@
+
+test-accelerate-suite: setup $(ACC_SUITE_PKGS)/.installed
+	@test -n "$(ACCELERATE_SRC)" || { echo "usage: make test-accelerate-suite ACCELERATE_SRC=<an Accelerate checkout>"; exit 2; }
+	$(PY) tools/accelerate_suite/run.py --accelerate-src $(ACCELERATE_SRC) --test-packages $(ACC_SUITE_PKGS) \
+	  --out $(ACC_SUITE_OUT)
 
 # Peer programs, upstream vs ours (tools/peer_programs/run.py, docs/tests.md); not part of `make test`, about
 # an hour and a half on 2 cores (QUICK=1: one case of each, 5 minutes).

@@ -11,11 +11,59 @@ from . import compat
 logger = logging.getLogger(__name__)
 
 def load_config(config):
-    """A fresh dict from a dict or a path (JSON/HJSON, as DeepSpeed accepts)."""
+    """A fresh dict from a dict or a path (JSON/HJSON, as DeepSpeed accepts), its ``zero_optimization`` section
+    read as DeepSpeed reads it (:func:`checked_zero_section`)."""
     if isinstance(config, dict):
-        return copy.deepcopy(config)
-    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-    return load_ds_config(config)
+        config = copy.deepcopy(config)
+    else:
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+        config = load_ds_config(config)
+    checked_zero_section(config)
+    _check_steps_per_print(config)
+    return config
+
+
+def _check_steps_per_print(config: dict) -> None:
+    """``steps_per_print: 0``: DeepSpeed's ``step()`` divides by it on rank 0 only, whose ZeroDivisionError leaves the
+    other ranks waiting in the next collective (upstream hangs): refused before any engine is built."""
+    value = config.get("steps_per_print") if isinstance(config, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+        raise ValueError(f"DeepSpeed config: \"steps_per_print\" is {value!r}; DeepSpeed's step() divides by it (on rank "
+                         "0 only, which then fails while the other ranks wait). Set a positive number, e.g. 10**9 to "
+                         "print never.")
+
+
+_ZERO_SUBSECTIONS = ("offload_optimizer", "offload_param")
+
+
+def checked_zero_section(config: dict) -> None:
+    """``config["zero_optimization"]`` as DeepSpeed reads it, in place, or a clear error naming the key.
+
+    DeepSpeed's deprecated ``true``/``false`` form becomes the section DeepSpeed makes of it (``true`` is
+    stage 1), a stage DeepSpeed coerces (``"2"``, ``2.0``) an int; what DeepSpeed refuses (a section that is
+    not a dict, a stage outside 0-3, an offload section that is not a dict) is refused here, naming the
+    key and the value, where it would otherwise fail inside this package's own code."""
+    if not isinstance(config, dict) or "zero_optimization" not in config:
+        return
+    zero = config["zero_optimization"]
+    if isinstance(zero, bool):
+        from deepspeed.runtime.zero.config import read_zero_config_deprecated
+        zero = config["zero_optimization"] = read_zero_config_deprecated(config)
+    if not isinstance(zero, dict):
+        raise ValueError(f"DeepSpeed config: \"zero_optimization\" is {zero!r} ({type(zero).__name__}); expected a "
+                         "section such as {\"stage\": 2} (or true/false, DeepSpeed's deprecated form). Fix that "
+                         "entry of the config.")
+    if "stage" in zero:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        try:
+            zero["stage"] = int(DeepSpeedZeroConfig(stage=zero["stage"]).stage)
+        except Exception:  # (pydantic's ValidationError: DeepSpeed refuses the value too)
+            raise ValueError(f"DeepSpeed config: \"zero_optimization.stage\" is {zero['stage']!r}; expected 0, 1, 2 or 3 "
+                             "(DeepSpeed refuses anything else). Fix that entry of the config.") from None
+    for key in _ZERO_SUBSECTIONS:
+        if zero.get(key) is not None and not isinstance(zero[key], dict):
+            raise ValueError(f"DeepSpeed config: \"zero_optimization.{key}\" is {zero[key]!r}; expected a section such "
+                             f"as {{\"device\": \"cpu\"}} (DeepSpeed refuses anything else). Fix that entry of the config.")
 
 
 def merged(base: dict, override: dict) -> dict:

@@ -147,3 +147,27 @@ def test_universal_load_of_16bit_below_zero3_refused_on_releases_that_get_it_wro
         monkeypatch.setattr(compat, "installed_version", lambda: version)
         resize.load_universal(engine, "/ckpt", "enc")
     assert loads[-1] == ("/ckpt", "enc") and engine._config.load_universal_checkpoint is False
+
+
+@pytest.mark.parametrize("zero, stage", [(True, 1), (False, 0), ({"stage": "2"}, 2), ({"stage": 3.0}, 3)])
+def test_zero_section_read_as_deepspeed_reads_it(zero, stage):
+    """DeepSpeed's deprecated true/false form and the stages it coerces: the stage DeepSpeed builds, as an int."""
+    config = load_config({"zero_optimization": zero})
+    assert zero_stage(config) == stage and type(config["zero_optimization"]["stage"]) is int
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"zero_optimization": None}, '"zero_optimization" is None'),
+    ({"zero_optimization": [2]}, '"zero_optimization" is [2]'),
+    ({"zero_optimization": {"stage": None}}, '"zero_optimization.stage" is None'),
+    ({"zero_optimization": {"stage": 4}}, '"zero_optimization.stage" is 4'),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}, '"zero_optimization.offload_optimizer"'),
+    ({"zero_optimization": {"stage": 3, "offload_param": True}}, '"zero_optimization.offload_param"'),
+    ({"steps_per_print": 0}, '"steps_per_print" is 0'),
+])
+def test_malformed_config_names_the_key(config, key):
+    """What DeepSpeed refuses (or divides by, on rank 0 only) is refused before any engine, naming the key and value
+    (it failed inside this package's own code with an AttributeError or TypeError)."""
+    with pytest.raises(ValueError, match="expected|Set a positive") as e:
+        load_config(config)
+    assert key in str(e.value), str(e.value)

@@ -142,6 +142,7 @@ def side_env(side, ctx):
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     env["PYTHONPATH"] = os.pathsep.join([SHIM, REPO, ctx.packages] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
                                                                       else []))
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # (`accelerate launch`)
     return env
 
 
