@@ -19,9 +19,12 @@ The shims every side needs on a CPU machine without a hub, each printing a line 
 (shim/sitecustomize.py): the gates that only choose a device lifted (``@require_non_cpu``,
 ``@require_multi_device``: two CPU ranks stand in), ``RUN_SLOW=1``, the hub ids the tests name mapped to tiny
 local models with random weights (and word-level tokenizers) built here, ``load_dataset("nyu-mll/glue", "mrpc")``
-a synthetic local MRPC, ``evaluate.load`` a local accuracy/F1, a script's ``tests/deepspeed/*.json`` path mapped
-to the checkout's, and Accelerate's state recording the real world size on CPU (on CPU it records one process on
-every rank in DeepSpeed mode, where GPUs record the world). fp16 tests skip on CPU on every side.
+a synthetic local MRPC (its validation split one label, which the classifier stand-in starts predicting: the
+scripts assert an accuracy of 0.82), ``evaluate.load`` a local accuracy/F1, a script's ``tests/deepspeed/*.json``
+path mapped to the checkout's, ``init_process_group(backend="nccl")`` gloo without CUDA, ``accelerate launch
+--num_processes=2`` without a config the multi-process launcher, and Accelerate's state recording the real world
+size on CPU (on CPU it records one process on every rank in DeepSpeed mode, where GPUs record the world). The
+fp16 tests fail on CPU on every side (DeepSpeed: "Type fp16 is not supported on your device"): they are for a GPU.
 
 Each rank's ``accelerator.backward`` losses are recorded (<out>/<side>/losses/<test>/rank<R>.jsonl) and compared
 between sides for the multi-model script. Writes <out>/report.md and <out>/results.json; exit status 1 when a test
@@ -86,13 +89,20 @@ def prepare(assets):
     small = dict(vocab_size=len(vocab))
     gpt2 = save("gpt2", tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **small)),
                 tokenizer(pad_token="[PAD]", eos_token="[SEP]", bos_token="[CLS]"))
-    bert = save("bert", tf.BertForSequenceClassification(tf.BertConfig(
+    # The scripts assert an MRPC accuracy (0.82) that no tiny random model reaches at lr 2e-5 in a few steps: the
+    # stand-in's classifier starts sure of "paraphrase", the synthetic validation split's one label (below).
+    classifier = tf.BertForSequenceClassification(tf.BertConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
-        **small)), tokenizer(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]",
-                             mask_token="[MASK]"))
+        **small))
+    with torch.no_grad():
+        classifier.classifier.bias.copy_(torch.tensor([-4.0, 4.0]))
+    bert = save("bert", classifier, tokenizer(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                                              unk_token="[UNK]", mask_token="[MASK]"))
+    # (The ALST script feeds token ids up to 228 of its own making.)
     llama = save("llama", tf.LlamaForCausalLM(tf.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=512, **small)), tokenizer(pad_token="[PAD]", eos_token="[SEP]", bos_token="[CLS]"))
+        max_position_embeddings=512, vocab_size=256)), tokenizer(pad_token="[PAD]", eos_token="[SEP]",
+                                                                 bos_token="[CLS]"))
     moe = save("qwen_moe", tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
         hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -105,24 +115,23 @@ def prepare(assets):
            "hf-internal-testing/tiny-random-LlamaForCausalLM": llama,
            "peft-internal-testing/tiny-random-qwen-1.5-MoE": moe, "apple/mobilevit-xx-small": folder}
 
-    # MRPC's columns; label 1 exactly when the pair starts with the same word, which a tiny model learns.
+    # MRPC's columns; label 1 exactly when the pair starts with the same word.
     g = torch.Generator().manual_seed(1)
 
-    def rows(n):
+    def rows(n, one_label=False):
         out = []
         for i in range(n):
             a = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (6,), generator=g)]
             b = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (6,), generator=g)]
-            label = i % 2
+            label = 1 if one_label else i % 2
             if label:
                 b[0] = a[0]
             elif b[0] == a[0]:
                 b[0] = WORDS[(WORDS.index(a[0]) + 1) % len(WORDS)]
             out.append({"sentence1": " ".join(a), "sentence2": " ".join(b), "label": label, "idx": i})
         return out
-    DatasetDict({split: Dataset.from_list(rows(n)) for split, n in (("train", 128), ("validation", 32),
-                                                                     ("test", 32))}).save_to_disk(
-        os.path.join(assets, "mrpc"))
+    DatasetDict({"train": Dataset.from_list(rows(128)), "validation": Dataset.from_list(rows(32, one_label=True)),
+                 "test": Dataset.from_list(rows(32, one_label=True))}).save_to_disk(os.path.join(assets, "mrpc"))
     with open(done, "w") as f:
         json.dump(ids, f, indent=1)
 

@@ -83,6 +83,19 @@ def _patch_testing(testing):
         setattr(testing, gate, lifted)
 
 
+def _patch_distributed(module):
+    """A script that names NCCL (test_zero3_integration.py) gets gloo where torch has no CUDA."""
+    original = module.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        import torch
+        if kwargs.get("backend") == "nccl" and not torch.cuda.is_available():
+            _say("init_process_group(backend='nccl') -> gloo (no CUDA)")
+            kwargs["backend"] = "gloo"
+        return original(*args, **kwargs)
+    module.init_process_group = init_process_group
+
+
 def _patch_launch(module):
     """``accelerate launch --num_processes=N`` without a config starts N processes where there are N devices:
     on CPU, N ranks through the same torchrun launcher."""
@@ -99,19 +112,23 @@ def _patch_launch(module):
 
 
 def _patch_accelerate(accelerate):
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import dataclasses
 
-    original_init = AcceleratorState.__init__
+    def recording_the_world(cls):
+        original_init = cls.__init__
 
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        from deepspeed_multi.accelerate.cpu_world import sync_world_size
-        before = self.num_processes
-        sync_world_size(self)
-        if self.num_processes != before:
-            _say("AcceleratorState: the real world size recorded on CPU, as on GPUs")
-    AcceleratorState.__init__ = __init__
+        def __init__(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            from deepspeed_multi.accelerate.cpu_world import sync_world_size
+            before = self.num_processes
+            sync_world_size(self)
+            if self.num_processes != before:
+                _say(f"{cls.__name__}: the real world size recorded on CPU, as on GPUs")
+        cls.__init__ = __init__
+
+    recording_the_world(PartialState)  # (TrainingArguments reads it)
+    recording_the_world(AcceleratorState)
 
     original_post_init = dataclasses.DeepSpeedPlugin.__post_init__
 
@@ -196,7 +213,7 @@ class _AfterImport:
                "transformers.models.auto.tokenization_auto": _patch_auto_tokenizer,
                "transformers.models.auto.configuration_auto": _patch_auto_config, "datasets": _patch_datasets,
                "accelerate.test_utils.testing": _patch_testing, "accelerate": _patch_accelerate,
-               "accelerate.commands.launch": _patch_launch}
+               "accelerate.commands.launch": _patch_launch, "torch.distributed": _patch_distributed}
 
     def find_spec(self, name, path=None, target=None):
         patch = self.PATCHES.get(name)
