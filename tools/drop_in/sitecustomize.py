@@ -67,30 +67,40 @@ def _patch(deepspeed):
     _log("swap", "armed")
 
 
+def spec_then(finder, name, path, target, after):
+    """The spec the finders after ``finder`` on ``sys.meta_path`` give for ``name``, its loader calling
+    ``after(module)`` once the module has executed (a meta-path finder's ``find_spec`` that patches a module as
+    it is imported; never through ``importlib.util.find_spec``, which would ask ``finder`` again)."""
+    spec = None
+    for other in sys.meta_path:
+        if other is not finder and hasattr(other, "find_spec"):
+            spec = other.find_spec(name, path, target)
+            if spec is not None:
+                break
+    if spec is None or spec.loader is None:
+        return spec
+    exec_module = spec.loader.exec_module
+
+    def exec_and_patch(module):
+        exec_module(module)
+        after(module)
+
+    spec.loader.exec_module = exec_and_patch
+    return spec
+
+
 class _PatchOnImport:
     """Meta-path finder: ``deepspeed`` imports as usual, then is patched before anyone uses it."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "deepspeed":
             return None
-        spec = None
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec"):
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    break
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
 
-        def exec_and_patch(module):
-            exec_module(module)
+        def patch_and_leave(module):
             _patch(module)
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
+        return spec_then(self, name, path, target, patch_and_leave)
 
 
 def _at_exit():

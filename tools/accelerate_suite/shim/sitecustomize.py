@@ -217,24 +217,8 @@ class _AfterImport:
 
     def find_spec(self, name, path=None, target=None):
         patch = self.PATCHES.get(name)
-        if patch is None:
-            return None
-        spec = None
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec"):
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    break
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
+        # spec_then: tools/drop_in/sitecustomize.py's, executed into this module above.
+        return None if patch is None else spec_then(self, name, path, target, patch)  # noqa: F821
 
 
 def _seed(seed):
