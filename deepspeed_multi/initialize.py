@@ -35,9 +35,7 @@ def _upstream_initialize():
     defined in ``deepspeed``'s own module, found through any ``functools.wraps`` wrappers; it
     resolves ``DeepSpeedEngine`` from that module's globals, which is where we swap the class in."""
     fn = inspect.unwrap(deepspeed.initialize)
-    if fn is initialize or getattr(fn, "__module__", None) != "deepspeed":
-        fn = _DEEPSPEED_INITIALIZE
-    return fn
+    return fn if getattr(fn, "__module__", None) == "deepspeed" else _DEEPSPEED_INITIALIZE
 
 
 def _refuse_mics(config):
